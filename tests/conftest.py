@@ -1,0 +1,65 @@
+"""Shared fixtures: a real S3 (moto's HTTP server on loopback) reached through AWS_ENDPOINT_URL.
+
+Anything that runs in another process (the AWS CLI, the bootstrap, TensorBoard) talks to the same
+server over HTTP, as it would to S3. State is reset between tests.
+"""
+
+import os
+import sys
+import urllib.request
+from pathlib import Path
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+
+ROOT = Path(__file__).resolve().parent.parent
+BUCKET = "test-bucket"
+
+sys.path.insert(0, str(ROOT / "code"))
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def aws_env(s3_endpoint, monkeypatch):
+    """Fake credentials and the local endpoint, for this process and the ones it starts."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    return {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3_endpoint,
+    }
+
+
+@pytest.fixture
+def s3(aws_env, s3_endpoint):
+    """A boto3 client on a freshly reset server with one empty bucket, BUCKET."""
+    request = urllib.request.Request(f"{s3_endpoint}/moto-api/reset", method="POST")
+    urllib.request.urlopen(request).close()
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.create_bucket(Bucket=BUCKET)
+    return client
+
+
+def venv_bin() -> str:
+    return str(Path(sys.executable).parent)
+
+
+@pytest.fixture
+def tool_path(monkeypatch):
+    """Put the venv's tools (aws, kubectl, torchrun, s5cmd) first on PATH for child processes."""
+    monkeypatch.setenv("PATH", venv_bin() + os.pathsep + os.environ.get("PATH", ""))
