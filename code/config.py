@@ -1,0 +1,281 @@
+"""Training settings: a YAML file in groups, loaded into validated dataclasses.
+
+    cfg = config.load("config/smoke.yaml", overrides=["train.max_steps=50"])
+
+An unknown key, a wrong type or an impossible value raises ConfigError with one line that names
+the key and the fix; train.py turns it into exit code 64 (a retry will never fix it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import typing
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(Exception):
+    """Bad input that no retry can fix."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64: faster matmuls
+    dropout: float = 0.0
+    bias: bool = False
+
+    def check(self) -> None:
+        _require(self.n_layer >= 1, "model.n_layer", "must be at least 1")
+        _require(self.n_head >= 1, "model.n_head", "must be at least 1")
+        _require(self.n_embd % self.n_head == 0, "model.n_embd",
+                 f"({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
+        _require(self.block_size >= 2, "model.block_size", "must be at least 2")
+        _require(2 <= self.vocab_size <= 65536, "model.vocab_size",
+                 "must be between 2 and 65536 (token ids are stored as uint16)")
+        _require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    batch_size: int = 12  # sequences per micro-step per process
+    grad_accum_steps: int = 40  # micro-steps per optimizer step, summed over all processes
+    max_steps: int = 600000
+    learning_rate: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 2000
+    lr_decay_steps: int = 0  # 0: decay over max_steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+    seed: int = 1337
+
+    def check(self) -> None:
+        for key in ("batch_size", "grad_accum_steps", "max_steps"):
+            _require(getattr(self, key) >= 1, f"train.{key}", "must be at least 1")
+        _require(self.learning_rate > 0, "train.learning_rate", "must be positive")
+        _require(0 <= self.min_lr <= self.learning_rate, "train.min_lr",
+                 "must be between 0 and train.learning_rate")
+        _require(self.warmup_steps >= 0, "train.warmup_steps", "must be 0 or more")
+        _require(self.lr_decay_steps >= 0, "train.lr_decay_steps", "must be 0 or more")
+        _require(self.weight_decay >= 0, "train.weight_decay", "must be 0 or more")
+        _require(0 <= self.beta1 < 1, "train.beta1", "must be in [0, 1)")
+        _require(0 <= self.beta2 < 1, "train.beta2", "must be in [0, 1)")
+        _require(self.grad_clip >= 0, "train.grad_clip", "must be 0 (off) or more")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    interval: int = 1000  # steps; a multiple of checkpoint.interval so best/ is a real checkpoint
+    steps: int = 200  # batches per split per process
+
+    def check(self) -> None:
+        _require(self.interval >= 1, "eval.interval", "must be at least 1")
+        _require(self.steps >= 1, "eval.steps", "must be at least 1")
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    interval: int = 1000  # steps between checkpoints; the last step is always saved
+    keep: int = 3  # newest committed checkpoints kept, locally and in S3, besides best/
+
+    def check(self) -> None:
+        _require(self.interval >= 1, "checkpoint.interval", "must be at least 1")
+        _require(self.keep >= 1, "checkpoint.keep", "must be at least 1 (the newest is never deleted)")
+
+
+@dataclasses.dataclass
+class LogConfig:
+    interval: int = 10
+
+    def check(self) -> None:
+        _require(self.interval >= 1, "log.interval", "must be at least 1")
+
+
+@dataclasses.dataclass
+class SystemConfig:
+    dtype: str = "bfloat16"  # autocast dtype on CUDA; CPU always runs float32
+    compile: bool = False
+    peak_tflops: float = 0.0  # for MFU on GPUs this file does not know; 0: look it up by name
+
+    def check(self) -> None:
+        _require(self.dtype in ("bfloat16", "float32"), "system.dtype", "must be bfloat16 or float32")
+        _require(self.peak_tflops >= 0, "system.peak_tflops", "must be 0 (look up) or more")
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    system: SystemConfig = dataclasses.field(default_factory=SystemConfig)
+
+    def check(self) -> None:
+        for group in dataclasses.fields(self):
+            getattr(self, group.name).check()
+        _require(self.eval.interval % self.checkpoint.interval == 0, "eval.interval",
+                 f"({self.eval.interval}) must be a multiple of checkpoint.interval "
+                 f"({self.checkpoint.interval}), so the best model is a committed checkpoint")
+
+    def check_world_size(self, world_size: int) -> None:
+        _require(self.train.grad_accum_steps % world_size == 0, "train.grad_accum_steps",
+                 f"({self.train.grad_accum_steps}) must be divisible by the number of processes "
+                 f"({world_size}); change it or NPROC_PER_NODE")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load(path: str | Path, overrides: list[str] | tuple = ()) -> Config:
+    """Read a YAML file, apply `group.key=value` overrides, validate."""
+    raw = _read_yaml(Path(path))
+    for override in overrides:
+        _apply_override(raw, override)
+    return from_dict(raw, source=str(path))
+
+
+def from_dict(raw: dict, source: str = "config") -> Config:
+    try:
+        groups = {}
+        group_types = typing.get_type_hints(Config)
+        for group in dataclasses.fields(Config):
+            values = raw.get(group.name, {})
+            if values is None:
+                values = {}
+            if not isinstance(values, dict):
+                raise ConfigError(f"{group.name}: expected a mapping of settings, got {_show(values)}")
+            groups[group.name] = _build(group_types[group.name], values, group.name)
+        _reject_unknown(raw, [f.name for f in dataclasses.fields(Config)], "")
+        cfg = Config(**groups)
+        cfg.check()
+        return cfg
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def check_data(data_dir: str | Path, cfg: Config) -> None:
+    """train.bin and val.bin are there, long enough, and fit the vocabulary."""
+    data_dir = Path(data_dir)
+    for split in ("train", "val"):
+        path = data_dir / f"{split}.bin"
+        if not path.is_file():
+            raise ConfigError(f"{path} not found; run scripts/prepare_data.py and upload its output to S3_DATA_URI")
+        tokens = path.stat().st_size // 2
+        if tokens <= cfg.model.block_size + 1:
+            raise ConfigError(f"{path} holds {tokens} tokens, fewer than model.block_size+2 "
+                              f"({cfg.model.block_size + 2}); give more data or a smaller block_size")
+    meta_path = data_dir / "meta.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        vocab = int(meta.get("vocab_size", 0))
+        if vocab > cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the data's "
+                              f"vocabulary ({vocab}, {meta_path}); set model.vocab_size to at least {vocab}")
+
+
+def check_same_model(saved: dict, cfg: Config, where: str) -> None:
+    """A checkpoint can only resume the model shape it was trained with."""
+    current = dataclasses.asdict(cfg.model)
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias"):
+        if key in saved and saved[key] != current[key]:
+            raise ConfigError(f"{where} was trained with model.{key}={saved[key]} but the config says "
+                              f"{current[key]}; use the config it was trained with, or a new S3_OUTPUT_URI")
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}; check TRAIN_CONFIG / --config") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}: YAML syntax error{where}: {problem}; fix the file") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of setting groups (model:, train:, ...), got {_show(raw)}")
+    return raw
+
+
+def _apply_override(raw: dict, override: str) -> None:
+    key, sep, value = override.partition("=")
+    group, dot, name = key.strip().partition(".")
+    if not sep or not dot or not group or not name:
+        raise ConfigError(f"override {override!r} is not group.key=value (e.g. train.max_steps=100)")
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        parsed = value
+    section = raw.setdefault(group, {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"{group}: expected a mapping of settings, got {_show(section)}")
+    section[name] = parsed
+
+
+def _build(cls: type, values: dict, group: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    _reject_unknown(values, names, f"{group}.")
+    kwargs = {key: _coerce(hints[key], value, f"{group}.{key}") for key, value in values.items()}
+    return cls(**kwargs)
+
+
+def _reject_unknown(values: dict, known: list[str], prefix: str) -> None:
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {', '.join(prefix + k for k in known)}"
+            raise ConfigError(f"unknown setting {prefix}{key}; {hint}")
+
+
+def _coerce(kind: type, value, key: str):
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {_show(value)}")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be an integer, got {_show(value)}")
+    if kind is float:
+        return _to_float(value, key)
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {_show(value)}")
+    raise TypeError(f"no coercion for {kind}")
+
+
+def _to_float(value, key: str) -> float:
+    # YAML 1.1 reads 6e-4 (no dot) as a string; accept it, since people write it that way.
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{key} must be a number, got {_show(value)}")
+
+
+def _require(ok: bool, key: str, problem: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {problem}")
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

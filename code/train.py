@@ -1,0 +1,568 @@
+"""Train a GPT that resumes by itself, exactly, from its newest committed checkpoint.
+
+One process (CPU, or one GPU):
+    python train.py --config ../config/smoke.yaml --data_dir DATA --output_dir OUT
+Every GPU of one machine (what the pod runs):
+    torchrun --standalone --nproc_per_node=4 train.py --config config/conf.yaml --data_dir DATA --output_dir OUT
+Override single settings with --set group.key=value (e.g. --set train.max_steps=100).
+
+Resume policy: the command is the same on the first start and on every restart; what is in
+OUTPUT_DIR/checkpoints decides. The newest checkpoint that verifies against its manifest is loaded
+(a bad one is skipped with a warning that names it); none means a fresh start. Batches are drawn
+from generators seeded by (seed, step, micro-step), and every process's RNG state is saved, so a
+resumed run ends bitwise equal to an uninterrupted one on CPU.
+
+SIGTERM or SIGINT: the current optimizer step finishes, a checkpoint of it is committed, and the
+process exits 143 (130 for SIGINT). Exit code 64 means bad input: the config, the data, or a
+checkpoint of another model shape. A retry will not fix it.
+
+Writes under OUTPUT_DIR: checkpoints/step-NNNNNNNN/ and checkpoints/best/, tensorboard/,
+progress.json (what the pod runtime reports). Touches $HEALTH_FILE while steps complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import checkpoint
+import config
+from config import Config, ConfigError
+from model import GPT
+
+EXIT_BAD_INPUT = 64
+
+# Dense bf16 tensor-core peaks per GPU (NVIDIA datasheets, TFLOP/s). Matched in order against
+# torch.cuda.get_device_name(), so the more specific names come first.
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.4), ("H100", 989.4), ("H200", 989.4),
+    ("B200", 2250.0), ("A100", 312.0), ("A10", 125.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),
+)
+
+
+def log(message: str) -> None:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    print(f"{stamp} train: {message}", flush=True)
+
+
+@dataclass
+class Runtime:
+    """Who this process is: rank, world size, device. DDP is on when torchrun set RANK."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def ddp(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> "Runtime":
+        rank = int(os.environ.get("RANK", 0))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+        return cls(rank, local_rank, world_size, device)
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        if self.ddp:
+            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
+
+    def stop(self) -> None:
+        if self.ddp and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def mean(self, value: torch.Tensor) -> float:
+        """The mean of a scalar over all processes."""
+        if self.ddp:
+            value = value.detach().clone()
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            value /= self.world_size
+        return value.item()
+
+
+class Batches:
+    """Random windows of uint16 tokens, drawn from generators seeded by what the batch is for,
+    so the data position is a pure function of (seed, step, micro-step) and resume is exact."""
+
+    def __init__(self, data_dir: str, cfg: Config, device: torch.device):
+        self.paths = {split: os.path.join(data_dir, f"{split}.bin") for split in ("train", "val")}
+        self.batch_size = cfg.train.batch_size
+        self.block_size = cfg.model.block_size
+        self.seed = cfg.train.seed
+        self.device = device
+
+    def train(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._draw("train", ("train", self.seed, step, micro))
+
+    def eval(self, split: str, index: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._draw(split, ("eval", self.seed, split, index, rank))
+
+    def _draw(self, split: str, key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        # A fresh memmap per batch: numpy's memmap otherwise holds every page it ever touched.
+        data = np.memmap(self.paths[split], dtype=np.uint16, mode="r")
+        generator = torch.Generator().manual_seed(_seed_of(key))
+        starts = torch.randint(len(data) - self.block_size, (self.batch_size,), generator=generator)
+        x = torch.stack([torch.from_numpy(data[i:i + self.block_size].astype(np.int64)) for i in starts])
+        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + self.block_size].astype(np.int64)) for i in starts])
+        if self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x, y
+
+
+def _seed_of(key: tuple) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") >> 1
+
+
+def lr_at(step: int, train: config.TrainConfig) -> float:
+    """Linear warmup, then cosine decay to min_lr, then min_lr."""
+    decay_steps = train.lr_decay_steps or train.max_steps
+    # 1) warmup (step counts from 1)
+    if step <= train.warmup_steps:
+        return train.learning_rate * step / max(train.warmup_steps, 1)
+    # 2) past the decay: the floor
+    if step > decay_steps:
+        return train.min_lr
+    # 3) in between: cosine from learning_rate down to min_lr
+    ratio = (step - train.warmup_steps) / max(decay_steps - train.warmup_steps, 1)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
+    return train.min_lr + coeff * (train.learning_rate - train.min_lr)
+
+
+class StopSignal:
+    """SIGTERM/SIGINT ask for a stop at the next step boundary; all processes agree on it."""
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._request)
+
+    def _request(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+
+    def agreed(self, rt: Runtime) -> int:
+        """The signal number if any process got one, else 0. A collective: every rank calls it."""
+        if not rt.ddp:
+            return self.signum
+        flag = torch.tensor([self.signum], device=rt.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+class Heartbeat:
+    """Touches $HEALTH_FILE as work completes; a hung step lets it go stale for the liveness probe."""
+
+    def __init__(self, path: str | None, every: float = 2.0):
+        self.path = Path(path) if path else None
+        self.every = every
+        self.last = 0.0
+
+    def beat(self) -> None:
+        now = time.monotonic()
+        if self.path and now - self.last >= self.every:
+            self.path.touch()
+            self.last = now
+
+
+def rng_state(device: torch.device) -> dict:
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def gather_rng_states(rt: Runtime) -> list[dict]:
+    """Every process's RNG state (dropout), collected on every rank; rank 0 saves them."""
+    state = rng_state(rt.device)
+    if not rt.ddp:
+        return [state]
+    states = [None] * rt.world_size
+    dist.all_gather_object(states, state)
+    return [{k: (v.cpu() if v is not None else None) for k, v in s.items()} for s in states]
+
+
+def restore_rng(states: list[dict], rt: Runtime) -> None:
+    if len(states) != rt.world_size:
+        log(f"warning: checkpoint has RNG states of {len(states)} processes, this run has "
+            f"{rt.world_size}; dropout draws will differ from an uninterrupted run")
+        return
+    torch.set_rng_state(states[rt.rank]["cpu"])
+    if rt.device.type == "cuda" and states[rt.rank]["cuda"] is not None:
+        torch.cuda.set_rng_state(states[rt.rank]["cuda"], rt.device)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, args: argparse.Namespace, rt: Runtime):
+        self.cfg, self.args, self.rt = cfg, args, rt
+        self.out = Path(args.output_dir)
+        self.ckpt_root = self.out / "checkpoints"
+        self.heartbeat = Heartbeat(os.environ.get("HEALTH_FILE") if rt.local_rank == 0 else None)
+        self.stop = StopSignal()
+        self.batches = Batches(args.data_dir, cfg, rt.device)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                         if rt.device.type == "cuda" and cfg.system.dtype == "bfloat16"
+                         else contextlib.nullcontext())
+        self.step = 0
+        self.best_val_loss = float("inf")
+        self.best_step = 0
+        self.val_loss = None
+        self.train_loss = None
+        self.speed: dict = {}
+        self.started = time.monotonic()
+
+        torch.manual_seed(cfg.train.seed)  # the same initial weights on every process
+        self.raw_model = GPT(cfg.model).to(rt.device)
+        self.optimizer = self.raw_model.make_optimizer(
+            cfg.train.weight_decay, cfg.train.learning_rate, (cfg.train.beta1, cfg.train.beta2),
+            rt.device.type)
+        torch.manual_seed(cfg.train.seed + 1 + rt.rank)  # dropout draws differ per process
+        self.writer = None
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Continue from the newest valid checkpoint, if there is one."""
+        name = None
+        if self.rt.master:
+            checkpoint.remove_staging_leftovers(self.ckpt_root)
+            folder = checkpoint.newest_valid(self.ckpt_root, on_skip=self._drop_bad_checkpoint)
+            name = folder.name if folder else None
+        if self.rt.ddp:
+            box = [name]
+            dist.broadcast_object_list(box, src=0)
+            name = box[0]
+        if name is None:
+            log("no committed checkpoint: starting from step 0")
+            return
+        self._load_from(self.ckpt_root / name)
+
+    def _drop_bad_checkpoint(self, folder: Path, problem: str) -> None:
+        log(f"warning: skipping checkpoint {folder.name}: {problem}; falling back to the one before it")
+        checkpoint.discard(folder)
+
+    def _load_from(self, folder: Path) -> None:
+        started = time.monotonic()
+        meta = checkpoint.read_manifest(folder)["meta"]
+        config.check_same_model(meta.get("model", {}), self.cfg, f"checkpoint {folder.name}")
+        weights = torch.load(folder / "model.pt", map_location=self.rt.device, weights_only=True)
+        try:
+            self.raw_model.load_state_dict(weights)
+        except RuntimeError as err:
+            first = str(err).strip().splitlines()[-1].strip()
+            raise ConfigError(f"checkpoint {folder.name} does not fit this model ({first}); use the "
+                              f"config it was trained with, or a new S3_OUTPUT_URI") from None
+        state = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        restore_rng(state["rng"], self.rt)
+        self.step = state["step"]
+        self.best_val_loss = state["best_val_loss"]
+        self.best_step = state["best_step"]
+        self.val_loss = state.get("val_loss")
+        log(f"resumed from {folder.name} (step {self.step}) in {time.monotonic() - started:.1f}s")
+
+    def save(self, is_best: bool) -> None:
+        """Commit a checkpoint of this step (a collective: every rank calls it, rank 0 writes)."""
+        rng = gather_rng_states(self.rt)
+        if not self.rt.master:
+            return
+        final = self.ckpt_root / checkpoint.step_dir_name(self.step)
+        if not checkpoint.is_committed(final):
+            self._write_checkpoint(final, rng)
+        if is_best:
+            self._link_best(final)
+
+    def _write_checkpoint(self, final: Path, rng: list[dict]) -> None:
+        started = time.monotonic()
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "rng": rng,
+            "best_val_loss": self.best_val_loss,
+            "best_step": self.best_step,
+            "val_loss": self.val_loss,
+            # Batches are a pure function of (seed, step, micro-step): the data position is the step.
+            "data": {"next_step": self.step + 1, "seed": self.cfg.train.seed},
+            "config": self.cfg.to_dict(),
+            "world_size": self.rt.world_size,
+        }
+        with checkpoint.stage(final) as staged:
+            with staged.open("model.pt") as file:
+                torch.save(self.raw_model.state_dict(), file)
+            self.heartbeat.beat()
+            with staged.open("state.pt") as file:
+                torch.save(state, file)
+            staged.commit(meta=self._meta())
+        self.heartbeat.beat()
+        checkpoint.prune(self.ckpt_root, self.cfg.checkpoint.keep)
+        size = sum(p.stat().st_size for p in final.iterdir()) / 1e6
+        log(f"checkpoint {final.name} committed: {size:.1f} MB in {time.monotonic() - started:.2f}s")
+
+    def _link_best(self, source: Path) -> None:
+        entry = checkpoint.read_manifest(source)["files"]["model.pt"]
+        with checkpoint.stage(self.ckpt_root / "best") as staged:
+            staged.add_link(source / "model.pt", entry)
+            staged.commit(meta=self._meta(), replace=True)
+
+    def _meta(self) -> dict:
+        return {"step": self.step, "max_steps": self.cfg.train.max_steps,
+                "train_loss": self.train_loss, "val_loss": self.val_loss,
+                "best_val_loss": _finite(self.best_val_loss), "best_step": self.best_step,
+                "model": self.cfg.to_dict()["model"], "world_size": self.rt.world_size}
+
+    # -- training ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.load()
+        start_step = self.step
+        model = torch.compile(self.raw_model) if self.cfg.system.compile else self.raw_model
+        if self.rt.ddp:
+            model = DDP(model, device_ids=[self.rt.local_rank] if self.rt.device.type == "cuda" else None)
+        if self.rt.master:
+            self._open_tensorboard(start_step)
+            self._describe(start_step)
+        meter = Meter(self, start_step)
+        self.heartbeat.beat()
+        try:
+            while self.step < self.cfg.train.max_steps:
+                loss = self._train_step(model)
+                self.step += 1
+                self.heartbeat.beat()
+                meter.after_step(loss)
+                self._evaluate_and_save(model)
+                signum = self.stop.agreed(self.rt)
+                if signum:
+                    return self._stop_for(signum)
+            self._finish()
+            return 0
+        finally:
+            if self.writer:
+                self.writer.close()
+
+    def _train_step(self, model) -> torch.Tensor:
+        lr = lr_at(self.step + 1, self.cfg.train)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        local_steps = self.cfg.train.grad_accum_steps // self.rt.world_size
+        total = torch.zeros((), device=self.rt.device)
+        for i in range(local_steps):
+            x, y = self.batches.train(self.step + 1, self.rt.rank * local_steps + i)
+            # Gradients are averaged across processes only on the last micro-step.
+            sync = not self.rt.ddp or i == local_steps - 1
+            with (contextlib.nullcontext() if sync else model.no_sync()):
+                with self.autocast:
+                    _, loss = model(x, y)
+                    loss = loss / local_steps
+                loss.backward()
+            total += loss.detach()
+            self.heartbeat.beat()
+        if self.cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.train.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+    def _evaluate_and_save(self, model) -> None:
+        last = self.step == self.cfg.train.max_steps
+        is_best = False
+        if self.step % self.cfg.eval.interval == 0 or last:
+            self.val_loss = self._evaluate(model)
+            is_best = self.val_loss < self.best_val_loss
+            if is_best:
+                self.best_val_loss, self.best_step = self.val_loss, self.step
+            if self.rt.master:
+                log(f"step {self.step}: val loss {self.val_loss:.4f} (best {self.best_val_loss:.4f} at step {self.best_step})")
+                self.writer.add_scalar("val/loss", self.val_loss, self.step)
+                self.writer.flush()
+        if self.step % self.cfg.checkpoint.interval == 0 or last:
+            self.save(is_best)
+        if self.rt.master:
+            self._write_progress()
+
+    @torch.no_grad()
+    def _evaluate(self, model) -> float:
+        model.eval()
+        total = torch.zeros((), device=self.rt.device)
+        for index in range(self.cfg.eval.steps):
+            x, y = self.batches.eval("val", index, self.rt.rank)
+            with self.autocast:
+                _, loss = model(x, y)
+            total += loss.float()
+            self.heartbeat.beat()
+        model.train()
+        return self.rt.mean(total / self.cfg.eval.steps)
+
+    def _stop_for(self, signum: int) -> int:
+        name = signal.Signals(signum).name
+        if self.rt.master:
+            log(f"{name}: step {self.step} finished; committing a checkpoint of it before exit")
+        self.save(is_best=False)
+        if self.rt.master:
+            self._write_progress()
+            if self.writer:
+                self.writer.flush()
+        return 128 + signum
+
+    def _finish(self) -> None:
+        if self.rt.master:
+            minutes = (time.monotonic() - self.started) / 60
+            log(f"done: step {self.step}, train loss {self.train_loss}, val loss {self.val_loss}, "
+                f"best val loss {self.best_val_loss:.4f} at step {self.best_step}, {minutes:.1f} min")
+
+    # -- what a person sees ----------------------------------------------------------------------
+
+    def _open_tensorboard(self, start_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step hides the steps an earlier start logged after its last checkpoint: they are redone.
+        self.writer = SummaryWriter(log_dir=str(self.out / "tensorboard"),
+                                    purge_step=start_step + 1 if start_step else None, flush_secs=10)
+
+    def _describe(self, start_step: int) -> None:
+        cfg = self.cfg
+        tokens = cfg.train.grad_accum_steps * cfg.train.batch_size * cfg.model.block_size
+        log(f"model: {self.raw_model.num_params() / 1e6:.2f}M parameters, {cfg.model.n_layer} layers, "
+            f"device {self.rt.device.type}, {self.rt.world_size} process(es), {tokens:,} tokens/step, "
+            f"steps {start_step + 1}..{cfg.train.max_steps}")
+
+    def _write_progress(self) -> None:
+        progress = {"step": self.step, "max_steps": self.cfg.train.max_steps,
+                    "train_loss": self.train_loss, "val_loss": self.val_loss,
+                    "best_val_loss": _finite(self.best_val_loss), "best_step": self.best_step,
+                    "updated_at": time.time()}
+        progress.update(self.speed)
+        path = self.out / "progress.json"
+        temp = path.with_suffix(".json.tmp")
+        temp.write_text(json.dumps(progress))
+        os.replace(temp, path)
+
+
+class Meter:
+    """Step timing, tokens/s, MFU and ETA, logged every log.interval steps."""
+
+    def __init__(self, trainer: Trainer, start_step: int):
+        self.t = trainer
+        cfg = trainer.cfg
+        self.tokens_per_step = cfg.train.grad_accum_steps * cfg.train.batch_size * cfg.model.block_size
+        self.peak_flops = peak_flops(trainer.rt.device, cfg.system.peak_tflops) * trainer.rt.world_size
+        self.flops_per_token = trainer.raw_model.flops_per_token()
+        self.since = time.monotonic()
+        self.steps = 0
+
+    def after_step(self, loss: torch.Tensor) -> None:
+        self.steps += 1
+        step = self.t.step
+        if step % self.t.cfg.log.interval and step != self.t.cfg.train.max_steps:
+            return
+        loss_value = self.t.rt.mean(loss)  # .item() waits for the GPU, so the timing below is real
+        elapsed = time.monotonic() - self.since
+        ms_per_step = 1000 * elapsed / self.steps
+        tokens_per_sec = self.tokens_per_step * self.steps / elapsed
+        self.since, self.steps = time.monotonic(), 0
+        self.t.train_loss = loss_value
+        if not self.t.rt.master:
+            return
+        eta = (self.t.cfg.train.max_steps - step) * ms_per_step / 1000
+        lr = self.t.optimizer.param_groups[0]["lr"]
+        line = (f"step {step}/{self.t.cfg.train.max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
+                f"{ms_per_step:.1f} ms/step | {tokens_per_sec:,.0f} tok/s")
+        speed = {"tokens_per_sec": tokens_per_sec, "ms_per_step": ms_per_step, "eta_seconds": eta}
+        if self.peak_flops:
+            mfu = self.flops_per_token * tokens_per_sec / self.peak_flops
+            line += f" | mfu {100 * mfu:.1f}%"
+            speed["mfu"] = mfu
+            self.t.writer.add_scalar("mfu", mfu, step)
+        log(f"{line} | eta {_duration(eta)}")
+        self.t.speed = speed
+        self.t.writer.add_scalar("train/loss", loss_value, step)
+        self.t.writer.add_scalar("lr", lr, step)
+        self.t.writer.add_scalar("tokens_per_sec", tokens_per_sec, step)
+
+
+def peak_flops(device: torch.device, override_tflops: float) -> float:
+    """Peak bf16 FLOP/s of one GPU, or 0 where unknown (then no MFU is shown rather than a guess)."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    for marker, tflops in PEAK_BF16_TFLOPS:
+        if marker in name:
+            return tflops * 1e12
+    log(f"no bf16 peak known for {name!r}: set system.peak_tflops to see MFU")
+    return 0.0
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def report_bad_input(err: ConfigError, rt: Runtime) -> int:
+    """One line on stderr, and the torchelastic error file, so the pod learns it was exit 64
+    (torchrun itself exits 1 whatever its workers' codes; it copies this file with their code)."""
+    if rt.rank == 0:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        payload = {"message": {"message": str(err), "extraInfo": {"timestamp": str(int(time.time()))}}}
+        Path(error_file).write_text(json.dumps(payload))
+    return EXIT_BAD_INPUT
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML settings, e.g. config/conf.yaml")
+    parser.add_argument("--data_dir", required=True, help="folder with train.bin and val.bin")
+    parser.add_argument("--output_dir", required=True, help="checkpoints/, tensorboard/ go here")
+    parser.add_argument("--set", action="append", default=[], metavar="GROUP.KEY=VALUE",
+                        help="override one setting (repeatable)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rt = Runtime.from_env()
+    try:
+        cfg = config.load(args.config, args.set)
+        cfg.check_world_size(rt.world_size)
+        config.check_data(args.data_dir, cfg)
+    except ConfigError as err:
+        return report_bad_input(err, rt)
+    rt.start()
+    try:
+        return Trainer(cfg, args, rt).run()
+    except ConfigError as err:
+        return report_bad_input(err, rt)
+    finally:
+        rt.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
