@@ -145,11 +145,11 @@ def verify(folder: Path, full: bool = True) -> str | None:
     """None if the folder is a whole checkpoint, else the reason it is not."""
     manifest = read_manifest(folder)
     if manifest is None:
-        return f"{folder.name} has no readable {MANIFEST}"
+        return f"no readable {MANIFEST}"
     for name, entry in sorted(manifest["files"].items()):
         problem = verify_file(folder / name, entry, full)
         if problem:
-            return f"{folder.name}/{problem}"
+            return problem
     return None
 
 

@@ -1,0 +1,279 @@
+"""The trainer: exact resume after SIGKILL (1 and 2 processes), the SIGTERM save, checkpoint
+fallbacks, what it logs, and every config error path."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import checkpoint
+import config
+from helpers import (CODE, final_model, run_until, sha256, train_command, train_env, write_config,
+                     write_corpus)
+
+MAX_STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    return write_config(tmp_path_factory.mktemp("config") / "tiny.yaml")
+
+
+def uninterrupted(tmp_path_factory, corpus, tiny_config, nproc):
+    out = tmp_path_factory.mktemp(f"reference-{nproc}")
+    code, output, _ = run_until(train_command(tiny_config, corpus, out, nproc))
+    assert code == 0, output
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus, tiny_config):
+    return uninterrupted(tmp_path_factory, corpus, tiny_config, 1)
+
+
+@pytest.fixture(scope="module")
+def reference_2proc(tmp_path_factory, corpus, tiny_config):
+    return uninterrupted(tmp_path_factory, corpus, tiny_config, 2)
+
+
+def kill_and_restart_until_done(command, seed: int, kills: int) -> list[str]:
+    """SIGKILL the run when a randomly chosen step is logged (plus a random few ms, so kills land
+    inside steps, evals and checkpoint writes), start it again, until it finishes."""
+    rng = random.Random(seed)
+    outputs = []
+    for _ in range(kills):
+        step = rng.randint(2, MAX_STEPS - 2)
+        code, output, _ = run_until(command, stop_when=f"step {step}/", delay=rng.uniform(0, 0.05))
+        outputs.append(output)
+        assert code in (-signal.SIGKILL, 0), output
+    code, output, _ = run_until(command)
+    outputs.append(output)
+    assert code == 0, output
+    return outputs
+
+
+def test_resume_after_sigkill_is_bitwise_exact_one_process(tmp_path, corpus, tiny_config, reference):
+    out = tmp_path / "out"
+    outputs = kill_and_restart_until_done(train_command(tiny_config, corpus, out), seed=1, kills=3)
+    assert any("resumed from step-" in o for o in outputs[1:]), "no restart resumed from a checkpoint"
+    assert sha256(final_model(out, MAX_STEPS)) == sha256(final_model(reference, MAX_STEPS))
+
+
+def test_resume_after_sigkill_is_bitwise_exact_two_processes(tmp_path, corpus, tiny_config, reference_2proc):
+    out = tmp_path / "out"
+    outputs = kill_and_restart_until_done(train_command(tiny_config, corpus, out, nproc=2), seed=2, kills=2)
+    assert any("resumed from step-" in o for o in outputs[1:])
+    assert sha256(final_model(out, MAX_STEPS)) == sha256(final_model(reference_2proc, MAX_STEPS))
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_commits_the_current_step_and_exits_143(tmp_path, corpus, tiny_config, nproc, reference,
+                                                        reference_2proc):
+    out = tmp_path / "out"
+    command = train_command(tiny_config, corpus, out, nproc)
+    code, output, took = run_until(command, stop_when="step 12/", send=signal.SIGTERM)
+    if nproc == 1:
+        assert code == 143, output
+    assert "SIGTERM: step" in output
+    steps = [s for s, _ in checkpoint.committed_steps(out / "checkpoints")]
+    # Step 12 is not on the 5-step schedule: the newest checkpoint is the SIGTERM save.
+    assert steps[0] > 10 and steps[0] % 5 != 0, steps
+    assert took < 30, "torchrun SIGKILLs workers 30 s after SIGTERM"
+    code, output, _ = run_until(command)
+    assert code == 0 and f"resumed from step-{steps[0]:08d}" in output
+    expected = reference if nproc == 1 else reference_2proc
+    assert sha256(final_model(out, MAX_STEPS)) == sha256(final_model(expected, MAX_STEPS))
+
+
+def test_resume_skips_checkpoint_without_manifest(tmp_path, corpus, tiny_config, reference):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    newest = out / "checkpoints" / f"step-{MAX_STEPS:08d}"
+    (newest / "manifest.json").unlink()
+    torn = out / "checkpoints" / "step-99999999"
+    shutil.copytree(out / "checkpoints" / f"step-{MAX_STEPS - 5:08d}", torn)
+    (torn / "manifest.json").unlink()
+    code, output, _ = run_until(train_command(tiny_config, corpus, out))
+    assert code == 0, output
+    assert f"resumed from step-{MAX_STEPS - 5:08d}" in output
+    assert sha256(final_model(out, MAX_STEPS)) == sha256(final_model(reference, MAX_STEPS))
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, corpus, tiny_config, reference):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    model = final_model(out, MAX_STEPS)
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model.write_bytes(data)
+    code, output, _ = run_until(train_command(tiny_config, corpus, out))
+    assert code == 0, output
+    assert f"skipping checkpoint step-{MAX_STEPS:08d}: model.pt does not match its sha256" in output
+    assert f"resumed from step-{MAX_STEPS - 5:08d}" in output
+    assert sha256(final_model(out, MAX_STEPS)) == sha256(final_model(reference, MAX_STEPS))
+
+
+def test_checkpoints_follow_the_contract(reference):
+    root = reference / "checkpoints"
+    steps = [s for s, _ in checkpoint.committed_steps(root)]
+    assert steps == [MAX_STEPS, MAX_STEPS - 5], "keep: 2 newest, the last step always saved"
+    assert not list(root.glob(".staging-*"))
+    for folder in [p for _, p in checkpoint.committed_steps(root)] + [root / "best"]:
+        assert checkpoint.verify(folder) is None
+        weights = torch.load(folder / "model.pt", weights_only=True)
+        assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights)
+    meta = checkpoint.read_manifest(root / "best")["meta"]
+    assert meta["val_loss"] == meta["best_val_loss"] and meta["step"] % 10 == 0
+    state = torch.load(root / f"step-{MAX_STEPS:08d}" / "state.pt", weights_only=True)
+    assert {"optimizer", "step", "rng", "best_val_loss", "data", "config"} <= set(state)
+
+
+def test_training_lowers_the_loss_and_logs_scalars_to_tensorboard(reference):
+    files = list((reference / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 1, "one event file per start"
+    events = EventAccumulator(str(files[0]))
+    events.Reload()
+    assert {"train/loss", "val/loss", "lr", "tokens_per_sec"} <= set(events.Tags()["scalars"])
+    losses = [e.value for e in events.Scalars("train/loss")]
+    assert len(losses) == MAX_STEPS
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_log_line_has_step_loss_lr_speed_and_eta(tmp_path, corpus, tiny_config):
+    code, output, _ = run_until(train_command(tiny_config, corpus, tmp_path / "out", extra=("--set", "train.max_steps=3")))
+    assert code == 0, output
+    line = next(l for l in output.splitlines() if "step 3/3 |" in l)
+    for part in ("loss ", "lr ", "ms/step", "tok/s", "eta "):
+        assert part in line, line
+
+
+def test_heartbeat_file_is_touched_while_training(tmp_path, corpus, tiny_config):
+    health = tmp_path / "healthy"
+    code, output, _ = run_until(train_command(tiny_config, corpus, tmp_path / "out"),
+                                env=train_env(HEALTH_FILE=str(health)))
+    assert code == 0, output
+    assert health.exists()
+
+
+CONFIG_ERRORS = [
+    ("unknown key", "model:\n  n_layers: 2\n", "unknown setting model.n_layers; did you mean model.n_layer?"),
+    ("unknown group", "modle:\n  n_layer: 2\n", "unknown setting modle; did you mean model?"),
+    ("wrong type int", "model:\n  n_layer: two\n", "model.n_layer must be an integer"),
+    ("float for int", "train:\n  max_steps: 10.5\n", "train.max_steps must be an integer"),
+    ("wrong type float", "train:\n  learning_rate: fast\n", "train.learning_rate must be a number"),
+    ("wrong type bool", "system:\n  compile: maybe\n", "system.compile must be true or false"),
+    ("group not a mapping", "model: 3\n", "model: expected a mapping"),
+    ("not a mapping", "- a\n- b\n", "expected a mapping of setting groups"),
+    ("yaml syntax", "model:\n  n_layer: [1, 2\n", "YAML syntax error at line"),
+    ("heads do not divide", "model:\n  n_embd: 100\n  n_head: 3\n", "model.n_embd (100) must be divisible by model.n_head (3)"),
+    ("zero layers", "model:\n  n_layer: 0\n", "model.n_layer must be at least 1"),
+    ("vocab too big", "model:\n  vocab_size: 70000\n", "model.vocab_size must be between 2 and 65536"),
+    ("dropout", "model:\n  dropout: 1.5\n", "model.dropout must be in [0, 1)"),
+    ("min lr above lr", "train:\n  min_lr: 1.0\n", "train.min_lr must be between 0 and train.learning_rate"),
+    ("negative warmup", "train:\n  warmup_steps: -1\n", "train.warmup_steps must be 0 or more"),
+    ("beta", "train:\n  beta2: 1.0\n", "train.beta2 must be in [0, 1)"),
+    ("eval not multiple", "eval:\n  interval: 15\ncheckpoint:\n  interval: 10\n", "eval.interval (15) must be a multiple of checkpoint.interval (10)"),
+    ("keep zero", "checkpoint:\n  keep: 0\n", "checkpoint.keep must be at least 1"),
+    ("dtype", "system:\n  dtype: fp8\n", "system.dtype must be bfloat16 or float32"),
+]
+
+
+@pytest.mark.parametrize("case,text,message", CONFIG_ERRORS, ids=[c[0] for c in CONFIG_ERRORS])
+def test_config_error_names_the_key_and_the_fix(tmp_path, case, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(config.ConfigError) as err:
+        config.load(path)
+    assert message in str(err.value)
+    assert str(err.value).startswith(str(path)) and "\n" not in str(err.value)
+
+
+def test_config_defaults_are_gpt2_124m_and_shipped_configs_load():
+    cfg = config.load(CODE.parent / "config" / "conf.yaml")
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.block_size) == (12, 12, 768, 1024)
+    cfg.check_world_size(4)
+    smoke = config.load(CODE.parent / "config" / "smoke.yaml")
+    smoke.check_world_size(1), smoke.check_world_size(2)
+
+
+def test_overrides_are_validated_like_the_file(tmp_path):
+    path = write_config(tmp_path / "c.yaml")
+    assert config.load(path, ["train.max_steps=7"]).train.max_steps == 7
+    for bad, message in [("train.max_steps", "is not group.key=value"),
+                         ("train.max_step=7", "unknown setting train.max_step"),
+                         ("train.max_steps=seven", "train.max_steps must be an integer")]:
+        with pytest.raises(config.ConfigError, match=message.replace(".", r"\.")):
+            config.load(path, [bad])
+
+
+def test_grad_accum_must_divide_over_the_processes(tmp_path):
+    cfg = config.load(write_config(tmp_path / "c.yaml", train__grad_accum_steps=3))
+    with pytest.raises(config.ConfigError, match="train.grad_accum_steps .3. must be divisible by the number of processes .2."):
+        cfg.check_world_size(2)
+
+
+BAD_RUNS = [
+    ("missing config", lambda tmp, cfg, data: (tmp / "nope.yaml", data), "cannot read config"),
+    ("bad config", lambda tmp, cfg, data: (write_config(tmp / "b.yaml", model__n_head=5), data), "model.n_embd (32) must be divisible"),
+    ("no train.bin", lambda tmp, cfg, data: (cfg, tmp), "train.bin not found; run scripts/prepare_data.py"),
+    ("vocab smaller than data", lambda tmp, cfg, data: (cfg, with_meta(tmp, data, 50257)), "model.vocab_size (256) is smaller than the data's vocabulary (50257"),
+]
+
+
+def with_meta(tmp, data, vocab):
+    target = tmp / "data-meta"
+    shutil.copytree(data, target)
+    (target / "meta.json").write_text(f'{{"vocab_size": {vocab}}}')
+    return target
+
+
+@pytest.mark.parametrize("case,make,message", BAD_RUNS, ids=[c[0] for c in BAD_RUNS])
+def test_bad_input_exits_64_with_one_line(tmp_path, corpus, tiny_config, case, make, message):
+    cfg, data = make(tmp_path, tiny_config, corpus)
+    result = subprocess.run(train_command(cfg, data, tmp_path / "out"), capture_output=True, text=True,
+                            env=train_env())
+    assert result.returncode == 64, result.stderr
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_checkpoint_of_another_model_shape_exits_64(tmp_path, corpus, reference):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    wider = write_config(tmp_path / "wide.yaml", model__n_embd=64)
+    result = subprocess.run(train_command(wider, corpus, out), capture_output=True, text=True, env=train_env())
+    assert result.returncode == 64
+    assert f"checkpoint step-{MAX_STEPS:08d} was trained with model.n_embd=32 but the config says 64" in result.stderr
+
+
+def test_config_error_under_torchrun_reaches_the_error_file_with_code_64(tmp_path, corpus):
+    bad = write_config(tmp_path / "b.yaml", train__grad_accum_steps=3)
+    error_file = tmp_path / "error.json"
+    result = subprocess.run(train_command(bad, corpus, tmp_path / "out", nproc=2), capture_output=True,
+                            text=True, env=train_env(TORCHELASTIC_ERROR_FILE=str(error_file)))
+    assert result.returncode != 0
+    assert '"errorCode": 64' in error_file.read_text()
+    assert "must be divisible by the number of processes (2)" in error_file.read_text()
+
+
+def test_learning_rate_warms_up_then_decays_to_min_lr():
+    sys.path.insert(0, str(CODE))
+    from train import lr_at
+
+    train = config.TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_steps=10, max_steps=100)
+    assert lr_at(1, train) == pytest.approx(0.1)
+    assert lr_at(10, train) == pytest.approx(1.0)
+    assert lr_at(55, train) == pytest.approx(0.55)
+    assert lr_at(100, train) == pytest.approx(0.1)
+    assert lr_at(150, train) == pytest.approx(0.1)
