@@ -85,6 +85,13 @@ class Staged:
             os.fsync(file.fileno())
         self._entries[name] = {"size": writer.size, "sha256": writer.sha256.hexdigest()}
 
+    def adopt(self, name: str, entry: dict) -> None:
+        """Count a file the caller put in self.path itself (a download), checked against `entry`."""
+        problem = verify_file(self.path / name, entry)
+        if problem:
+            raise ValueError(problem)
+        self._entries[name] = dict(entry)
+
     def add_link(self, source: Path, entry: dict) -> None:
         """Reuse a committed file (a hard link, no copy) whose manifest entry is already known."""
         os.link(source, self.path / source.name)

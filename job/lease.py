@@ -1,0 +1,212 @@
+"""One writer per S3_OUTPUT_URI: a lease object in S3 with a heartbeat and an expiry.
+
+A Kubernetes Job may run the same pod twice (and a pod cut off from the API server keeps running).
+Two pods writing one prefix would overwrite each other's checkpoints, so every writer first takes
+`lease.json` with a conditional PUT (If-None-Match: * to create, If-Match: <etag> to renew or to take
+over an expired one); S3 lets exactly one of two racing writers win. Expiry is judged on S3's clock
+(the object's LastModified against the response's Date), so pods' clock skew does not matter.
+
+The holder renews every ttl/3 from a thread. A holder that cannot prove its lease is fresh writes
+nothing; one whose renewal is refused (412) has lost it and stops.
+
+    python lease.py acquire S3_OUTPUT_URI STATE_FILE   # waits while another live pod holds it
+    exit 0: held (token in STATE_FILE), 3: the run is already COMPLETE, 64/75: errors
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import botocore.exceptions
+
+import s3 as s3lib
+from s3 import Location, log
+
+KEY = "lease.json"
+EXIT_COMPLETE = 3
+
+
+class LeaseLost(Exception):
+    """Another pod holds the lease now: this one must not write."""
+
+
+def ttl_seconds() -> float:
+    return float(os.environ.get("LEASE_TTL_SECONDS", "120"))
+
+
+class Lease:
+    def __init__(self, s3, run: Location, holder: str, ttl: float, etag: str | None = None):
+        self.s3, self.run, self.holder, self.ttl = s3, run, holder, ttl
+        self.etag = etag
+        self.renewed = time.monotonic() if etag else 0.0
+        self._lock = threading.Lock()
+
+    # -- taking it -----------------------------------------------------------------------------
+
+    def acquire(self, wait_seconds: float) -> bool:
+        """Block until this pod holds the lease (True) or the run is COMPLETE (False)."""
+        retry = s3lib.retrying("lease", self.run.bucket, name="lease")
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            current = retry(self._read)
+            if current is None and retry(self._put, if_none_match=True):
+                return True
+            if current is not None:
+                owner, etag, age = current
+                if owner == self.holder:  # our write landed though its answer was lost
+                    self.etag, self.renewed = etag, time.monotonic()
+                    return True
+                if age > self.ttl and retry(self._put, if_match=etag):
+                    log("lease", f"took over the lease of {owner}, expired {age - self.ttl:.0f}s ago")
+                    return True
+                if age <= self.ttl:
+                    if retry(self._complete):
+                        return False
+                    if time.monotonic() > deadline:
+                        raise s3lib.Unavailable(f"another pod ({owner}) holds the lease on {self.run} "
+                                                f"(renewed {age:.0f}s ago); gave up after {wait_seconds:.0f}s")
+                    log("lease", f"{owner} holds the lease on {self.run} (renewed {age:.0f}s ago): waiting")
+                    time.sleep(min(10.0, max(1.0, self.ttl - age + 0.5)))
+
+    def _read(self) -> tuple[str, str, float] | None:
+        """(holder, etag, seconds since its last renewal on S3's clock) or None."""
+        try:
+            answer = self.s3.get_object(Bucket=self.run.bucket, Key=self.run.key(KEY))
+        except botocore.exceptions.ClientError as err:
+            if s3lib.not_found(err):
+                return None
+            raise
+        body = json.loads(answer["Body"].read())
+        server_now = _server_time(answer)
+        age = (server_now - answer["LastModified"]).total_seconds()
+        return body.get("holder", "?"), answer["ETag"], age
+
+    def _complete(self) -> bool:
+        try:
+            self.s3.head_object(Bucket=self.run.bucket, Key=self.run.key("COMPLETE"))
+            return True
+        except botocore.exceptions.ClientError as err:
+            if s3lib.not_found(err):
+                return False
+            raise
+
+    def _put(self, if_none_match: bool = False, if_match: str | None = None) -> bool:
+        """A conditional write of the lease; False when another writer got there first."""
+        body = json.dumps({"holder": self.holder, "ttl_seconds": self.ttl, "pod": os.environ.get("HOSTNAME", ""),
+                           "renewed_at": time.time()}).encode()
+        condition = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": if_match}
+        try:
+            answer = self.s3.put_object(Bucket=self.run.bucket, Key=self.run.key(KEY), Body=body,
+                                        ContentType="application/json", **condition)
+        except botocore.exceptions.ClientError as err:
+            if s3lib.http_status(err) in (409, 412):
+                return False
+            raise
+        self.etag, self.renewed = answer["ETag"], time.monotonic()
+        return True
+
+    # -- keeping it ----------------------------------------------------------------------------
+
+    def renew(self) -> None:
+        """Prove the lease is still ours and push its expiry; LeaseLost if another pod has it."""
+        with self._lock:
+            if self._put(if_match=self.etag):
+                return
+            current = self._read()
+            if current and current[0] == self.holder:  # a retried renewal whose first try landed
+                self.etag, self.renewed = current[1], time.monotonic()
+                return
+            raise LeaseLost(f"another pod ({current[0] if current else 'none'}) holds the lease on "
+                            f"{self.run} now; this pod stops writing there")
+
+    def ensure_fresh(self) -> None:
+        """Before a write: the lease was renewed within ttl/2, or is renewed now."""
+        if time.monotonic() - self.renewed > self.ttl / 2:
+            self.renew()
+
+    def release(self) -> None:
+        """Let the next pod start at once instead of waiting for the expiry."""
+        with self._lock:
+            try:
+                self.s3.delete_object(Bucket=self.run.bucket, Key=self.run.key(KEY), IfMatch=self.etag)
+            except botocore.exceptions.ClientError as err:
+                if s3lib.http_status(err) not in (404, 409, 412):
+                    raise
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"holder": self.holder, "etag": self.etag}))
+
+    @classmethod
+    def load(cls, s3, run: Location, path: Path) -> "Lease":
+        state = json.loads(path.read_text())
+        return cls(s3, run, state["holder"], ttl_seconds(), etag=state["etag"])
+
+
+class Keeper(threading.Thread):
+    """Renews the lease every ttl/3 in the background; remembers if it was lost."""
+
+    def __init__(self, lease: Lease):
+        super().__init__(daemon=True, name="lease-keeper")
+        self.lease = lease
+        self.lost: LeaseLost | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.lease.ttl / 3):
+            try:
+                self.lease.renew()
+            except LeaseLost as err:
+                self.lost = err
+                log("lease", f"error: {err}")
+                return
+            except Exception as err:  # noqa: BLE001 - an outage: keep trying, writes check freshness
+                log("lease", f"renewal failed ({s3lib.explain(err, self.lease.run.bucket)}); trying again")
+
+    def check(self) -> None:
+        """Raise LeaseLost unless this pod may write now."""
+        if self.lost:
+            raise self.lost
+        self.lease.ensure_fresh()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+def _server_time(answer: dict) -> datetime:
+    date = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    if date:
+        return email.utils.parsedate_to_datetime(date)
+    return datetime.now(timezone.utc)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[0] != "acquire":
+        print("usage: lease.py acquire S3_OUTPUT_URI STATE_FILE", file=sys.stderr)
+        return s3lib.EXIT_BAD_INPUT
+
+    def run() -> int:
+        where = Location.parse(argv[1])
+        holder = f"{os.environ.get('HOSTNAME', 'pod')}/{uuid.uuid4().hex[:8]}"
+        lease = Lease(s3lib.client(), where, holder, ttl_seconds())
+        started = time.monotonic()
+        if not lease.acquire(float(os.environ.get("LEASE_WAIT_SECONDS", "3600"))):
+            log("lease", f"{where} became COMPLETE while waiting: nothing to do")
+            return EXIT_COMPLETE
+        lease.save(Path(argv[2]))
+        log("lease", f"holding the lease on {where} as {holder} "
+                     f"(ttl {lease.ttl:.0f}s, waited {time.monotonic() - started:.1f}s)")
+        return 0
+
+    return s3lib.main_guard("lease", run)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Chooses the Python the pod runs and prints its path on stdout (logs go to stderr).
+#
+#   python_env.sh WORK_DIR REQUIREMENTS_FILE...
+#
+# The image's python3 when it already satisfies every requirement: a check of installed metadata
+# that takes milliseconds, so a pod whose image has everything installs nothing. Otherwise a venv
+# under WORK_DIR named by the requirements' hash, which sees the image's packages (torch is never
+# reinstalled) and adds only what is missing; a later start with the same requirements and the
+# same WORK_DIR reuses it as it is. Never conda, never a fresh environment per start.
+#
+# Exit 64: requirements that no retry will install (a bad line, no such package or version).
+# Exit 75: pip could not reach its index.
+set -o errexit -o nounset -o pipefail
+
+log() { printf '%s python_env: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; }
+die() { local code=$1; shift; log "error: $*"; exit "${code}"; }
+
+main() {
+  local work_dir=$1; shift
+  local here base
+  here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+  base=$(command -v python3) || die 64 "the image has no python3; use an image with Python 3.9+ and torch"
+
+  local missing code=0
+  missing=$("${base}" "${here}/requirements_met.py" "$@") || code=$?
+  case "${code}" in
+    0) log "the image's Python has every requirement: nothing to install"
+       echo "${base}"; return 0 ;;
+    1) log "${missing}" ;;
+    *) die 64 "requirements cannot be read (see above); fix requirements.txt in S3_CODE_URI" ;;
+  esac
+
+  local key venv
+  key=$(cat "$@" | sha256sum | cut -c1-12)
+  venv="${work_dir}/.venv-${key}"
+  if [[ -f "${venv}/.ready" ]]; then
+    log "reusing ${venv} (made by an earlier start with the same requirements)"
+  else
+    make_venv "${base}" "${venv}" "$@"
+  fi
+  echo "${venv}/bin/python"
+}
+
+make_venv() {
+  local base=$1 venv=$2; shift 2
+  rm -rf "${venv}"
+  # No pip or setuptools of its own: the image's, seen through the .pth file, stay in charge
+  # (a venv's bundled setuptools would shadow a newer one that torch requires).
+  "${base}" -m venv --without-pip "${venv}"
+  inherit_image_packages "${base}" "${venv}"
+  local output code=0 file
+  local -a args=()
+  for file in "$@"; do args+=(-r "${file}"); done
+  output=$("${venv}/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \
+    "${args[@]}" 2>&1) || code=$?
+  if ((code != 0)); then
+    rm -rf "${venv}"
+    explain_pip_failure "${output}"
+  fi
+  touch "${venv}/.ready"
+  log "installed what was missing into ${venv}"
+}
+
+# The venv's own packages come first; the image's (torch above all) follow through a .pth file.
+# --system-site-packages would miss them when the image's python3 is itself a venv.
+inherit_image_packages() {
+  local base=$1 venv=$2 site
+  site=$("${venv}/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  "${base}" -c 'import site, sys; print("\n".join(p for p in site.getsitepackages() + [site.getusersitepackages()]))' \
+    >"${site}/_image_packages.pth"
+}
+
+explain_pip_failure() {
+  local output=$1 last
+  last=$(grep -E '^ERROR' <<<"${output}" | tail -n 1)
+  if grep -qiE 'connection|timed out|temporary failure in name resolution|max retries exceeded' <<<"${output}"; then
+    die 75 "pip could not reach its index (${last:-no detail}); the next pod will try again"
+  fi
+  die 64 "the code's requirements cannot be installed (${last:-$(tail -n 1 <<<"${output}")}); fix requirements.txt in S3_CODE_URI or add the packages to the image"
+}
+
+main "$@"

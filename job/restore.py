@@ -1,0 +1,100 @@
+"""Bring back the newest committed checkpoint from S3, and only that one.
+
+    python restore.py S3_OUTPUT_URI OUTPUT_DIR
+
+A step folder in S3 counts only if its manifest.json is there (the uploader writes it last). Its
+files are downloaded into a staging folder, each checked against the manifest (size and sha256),
+and committed locally with the same protocol the trainer uses. A damaged one is skipped with a
+warning that names it, and the one before it is tried. Nothing in S3 is changed.
+
+Exit 0 (restored, or nothing to restore), 64 (bad input), 75 (S3 unreachable).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import botocore.exceptions
+
+import s3 as s3lib
+from s3 import Location, log
+
+s3lib.code_dir_on_path()
+import checkpoint  # noqa: E402 - from the training code: CODE_DIR
+
+
+def newest_first(names: list[str]) -> list[str]:
+    steps = [(checkpoint.parse_step(n), n) for n in names]
+    return [n for s, n in sorted(steps, reverse=True) if s is not None]
+
+
+def restore(s3, run: Location, out: Path) -> str | None:
+    """The name of the checkpoint now committed under OUT/checkpoints, or None."""
+    retry = s3lib.retrying("restore", run.bucket, name="restore")
+    remote = run.child("checkpoints")
+    local_root = out / "checkpoints"
+    for name in newest_first(s3lib.list_prefixes(s3, remote, retry)):
+        manifest, _ = s3lib.get_json(s3, remote, remote.key(name, checkpoint.MANIFEST), retry)
+        if manifest is None or not isinstance(manifest.get("files"), dict):
+            log("restore", f"{name} in S3 has no manifest.json: never committed, ignored")
+            continue
+        if checkpoint.verify(local_root / name) is None:
+            log("restore", f"{name} is already here and whole")
+            return name
+        problem = download(s3, remote.child(name), manifest, local_root / name, retry)
+        if problem is None:
+            return name
+        log("restore", f"warning: {name} in S3 is damaged ({problem}); trying the one before it")
+    log("restore", f"no committed checkpoint in {remote}: the trainer starts from step 0")
+    return None
+
+
+def download(s3, where: Location, manifest: dict, final: Path, retry) -> str | None:
+    """Download and verify one checkpoint; None when committed locally, else what was wrong."""
+    files = manifest["files"]
+    size = sum(int(entry.get("size", 0)) for entry in files.values())
+    log("restore", f"restoring {final.name}: {len(files)} files, {size / 1e6:.1f} MB")
+    started = time.monotonic()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with checkpoint.stage(final) as staged:
+        for name, entry in sorted(files.items()):
+            target = staged.path / name
+            if not retry(fetch, s3, where, name, target):
+                return f"{name} is named in the manifest but missing"
+            try:
+                staged.adopt(name, entry)
+            except ValueError as problem:
+                return str(problem)
+        staged.commit(meta=manifest.get("meta"))
+    took = time.monotonic() - started
+    log("restore", f"restored {final.name}: {size / 1e6:.1f} MB in {took:.1f}s "
+                   f"({size / 1e6 / max(took, 1e-3):.0f} MB/s), verified against its manifest")
+    return None
+
+
+def fetch(s3, where: Location, name: str, target: Path) -> bool:
+    try:
+        s3.download_file(where.bucket, where.key(name), str(target), Config=s3lib.TRANSFER)
+    except botocore.exceptions.ClientError as err:
+        if s3lib.not_found(err):
+            return False
+        raise
+    return True
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: restore.py S3_OUTPUT_URI OUTPUT_DIR", file=sys.stderr)
+        return s3lib.EXIT_BAD_INPUT
+
+    def run() -> int:
+        restore(s3lib.client(), Location.parse(argv[0]), Path(argv[1]))
+        return 0
+
+    return s3lib.main_guard("restore", run)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

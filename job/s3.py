@@ -1,0 +1,224 @@
+"""S3 for the pod's Python helpers: one client, retries with backoff, and errors sorted into those
+a retry may fix and those it never will (exit 64, one line that names the cause and the fix).
+
+The endpoint comes from AWS_ENDPOINT_URL (boto3 reads it), so S3-compatible stores work too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import boto3
+import botocore.exceptions
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
+
+EXIT_BAD_INPUT = 64
+EXIT_UNAVAILABLE = 75  # EX_TEMPFAIL: S3 stayed unreachable; the Job's next pod may fare better
+
+# Large parts: fewer requests, and S3 servers (moto included) that re-read an object per ranged
+# GET stay fast.
+TRANSFER = TransferConfig(multipart_threshold=256 << 20, multipart_chunksize=256 << 20,
+                          max_concurrency=8, use_threads=True)
+
+_PERMANENT = {
+    "NoSuchBucket": "bucket {bucket} does not exist; create it or fix the S3 URI",
+    "AccessDenied": "access to s3://{bucket}/ denied; give the pod's role or Secret s3:ListBucket, "
+                    "s3:GetObject, s3:PutObject and s3:DeleteObject on it",
+    "AllAccessDisabled": "access to s3://{bucket}/ denied; give the pod's role or Secret access to it",
+    "InvalidAccessKeyId": "the AWS access key is not valid for this S3; fix the credentials Secret",
+    "SignatureDoesNotMatch": "the AWS secret key does not match the access key; fix the credentials Secret",
+    "InvalidBucketName": "{bucket} is not a valid bucket name; fix the S3 URI",
+    "ExpiredToken": "the AWS session token has expired; renew the credentials Secret or use IRSA",
+}
+
+
+class BadInput(Exception):
+    """Will fail the same way on every retry: exit 64."""
+
+
+class Unavailable(Exception):
+    """S3 stayed unreachable past the retry bound: exit 75."""
+
+
+def log(name: str, message: str) -> None:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    print(f"{stamp} {name}: {message}", flush=True)
+
+
+@dataclass(frozen=True)
+class Location:
+    """An s3://bucket/prefix/ (prefix normalized to end in / unless empty)."""
+
+    bucket: str
+    prefix: str
+
+    @classmethod
+    def parse(cls, uri: str) -> "Location":
+        if not uri.startswith("s3://") or len(uri) <= 5:
+            raise BadInput(f"{uri!r} is not an s3://bucket/prefix/ URI")
+        bucket, _, prefix = uri[5:].partition("/")
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        return cls(bucket, prefix)
+
+    def key(self, *parts: str) -> str:
+        return self.prefix + "/".join(parts)
+
+    def child(self, *parts: str) -> "Location":
+        return Location(self.bucket, self.key(*parts).rstrip("/") + "/")
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+def client():
+    """A client whose own retries are few and quick; callers wrap calls in retrying()."""
+    config = Config(retries={"mode": "standard", "total_max_attempts": 3},
+                    connect_timeout=5, read_timeout=60, max_pool_connections=16)
+    try:
+        return boto3.client("s3", config=config)
+    except botocore.exceptions.BotoCoreError as err:
+        raise BadInput(f"cannot make an S3 client: {err}; check AWS_ENDPOINT_URL and AWS_DEFAULT_REGION") from None
+
+
+def error_code(err: BaseException) -> str:
+    if isinstance(err, botocore.exceptions.ClientError):
+        return str(err.response.get("Error", {}).get("Code", ""))
+    return type(err).__name__
+
+
+def http_status(err: BaseException) -> int:
+    if isinstance(err, botocore.exceptions.ClientError):
+        return int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+    return 0
+
+
+def is_transient(err: BaseException) -> bool:
+    """Throttling, 5xx, timeouts and broken connections pass; wrong buckets or keys never do."""
+    if isinstance(err, (botocore.exceptions.NoCredentialsError, BadInput)):
+        return False
+    if isinstance(err, botocore.exceptions.ClientError):
+        code, status = error_code(err), http_status(err)
+        return code not in _PERMANENT and (status >= 500 or status in (0, 408, 429) or
+                                           code in ("SlowDown", "RequestTimeout", "Throttling"))
+    return isinstance(err, (botocore.exceptions.BotoCoreError, ConnectionError, TimeoutError, OSError))
+
+
+def explain(err: BaseException, bucket: str) -> str:
+    """One line: what went wrong and how to fix it."""
+    if isinstance(err, botocore.exceptions.NoCredentialsError):
+        return "no AWS credentials found; create the Secret aws-credentials (see README) or give the pod an IAM role"
+    code = error_code(err)
+    if code in _PERMANENT:
+        return _PERMANENT[code].format(bucket=bucket)
+    return f"S3 error {code or type(err).__name__}: {str(err).splitlines()[0][:200]}"
+
+
+def retry_seconds() -> float:
+    return float(os.environ.get("S3_RETRY_SECONDS", "600"))
+
+
+def retrying(what: str, bucket: str, seconds: float | None = None, name: str = "s3"):
+    """Retry transient errors with exponential backoff and jitter for up to `seconds`, logging each
+    wait; then Unavailable. Permanent errors become BadInput at once."""
+    def before_sleep(state) -> None:
+        err = state.outcome.exception()
+        log(name, f"{what}: {explain(err, bucket)}; retry {state.attempt_number} in "
+                  f"{state.next_action.sleep:.0f}s")
+
+    return _Retrying(what, bucket, Retrying(
+        retry=retry_if_exception(is_transient),
+        wait=wait_random_exponential(multiplier=1, max=30),
+        stop=stop_after_delay(retry_seconds() if seconds is None else seconds),
+        before_sleep=before_sleep, reraise=True))
+
+
+class _Retrying:
+    def __init__(self, what: str, bucket: str, retrying: Retrying):
+        self.what, self.bucket, self.retrying = what, bucket, retrying
+
+    def __call__(self, fn, *args, **kwargs):
+        try:
+            return self.retrying(fn, *args, **kwargs)
+        except BadInput:
+            raise
+        except Exception as err:  # noqa: BLE001 - sorted into the two outcomes right here
+            if is_transient(err):
+                raise Unavailable(f"{self.what}: S3 still unreachable after retrying for "
+                                  f"{self.retrying.stop.max_delay:.0f}s ({explain(err, self.bucket)})") from None
+            raise BadInput(f"{self.what}: {explain(err, self.bucket)}") from None
+
+
+def not_found(err: BaseException) -> bool:
+    return error_code(err) in ("404", "NoSuchKey", "NotFound")
+
+
+def get_json(s3, where: Location, key: str, retry) -> tuple[dict | None, str | None]:
+    """(object parsed, its ETag) or (None, None) when absent."""
+    def fetch():
+        try:
+            answer = s3.get_object(Bucket=where.bucket, Key=key)
+        except botocore.exceptions.ClientError as err:
+            if not_found(err):
+                return None, None
+            raise
+        return json.loads(answer["Body"].read()), answer["ETag"]
+
+    return retry(fetch)
+
+
+def put_json(s3, where: Location, key: str, value: dict, retry) -> None:
+    body = json.dumps(value, indent=1, sort_keys=True).encode()
+    retry(s3.put_object, Bucket=where.bucket, Key=key, Body=body, ContentType="application/json")
+
+
+def list_prefixes(s3, where: Location, retry) -> list[str]:
+    """Names of the 'folders' right under a location."""
+    names = []
+    paginator = s3.get_paginator("list_objects_v2")
+
+    def collect():
+        names.clear()
+        for page in paginator.paginate(Bucket=where.bucket, Prefix=where.prefix, Delimiter="/"):
+            names.extend(p["Prefix"][len(where.prefix):].rstrip("/") for p in page.get("CommonPrefixes", []))
+        return names
+
+    return retry(collect)
+
+
+def list_objects(s3, where: Location, retry) -> list[dict]:
+    found = []
+    paginator = s3.get_paginator("list_objects_v2")
+
+    def collect():
+        found.clear()
+        for page in paginator.paginate(Bucket=where.bucket, Prefix=where.prefix):
+            found.extend(page.get("Contents", []))
+        return found
+
+    return retry(collect)
+
+
+def main_guard(name: str, run) -> int:
+    """Run a helper's main, turning the two failure kinds into exit codes and one line each."""
+    try:
+        return run()
+    except BadInput as err:
+        log(name, f"error: {err}")
+        return EXIT_BAD_INPUT
+    except Unavailable as err:
+        log(name, f"error: {err}")
+        return EXIT_UNAVAILABLE
+
+
+def code_dir_on_path() -> None:
+    """checkpoint.py (the commit protocol) comes with the training code, so trainer and pod agree."""
+    code_dir = os.environ.get("CODE_DIR")
+    if code_dir and code_dir not in sys.path:
+        sys.path.insert(0, code_dir)

@@ -1,0 +1,443 @@
+#!/usr/bin/env bash
+# The training pod's entrypoint (PID 1), shipped in the ConfigMap made from job/.
+#
+# Brings code, data and the newest committed checkpoint from S3, trains with torchrun on the
+# pod's GPUs, puts each committed checkpoint in S3 within seconds, and on any exit uploads what is
+# left. The command is the same for every pod of the Job: what is in S3 decides where it resumes.
+#
+# Settings (environment):
+#   S3_CODE_URI, S3_DATA_URI, S3_OUTPUT_URI   required, s3://bucket/prefix/ (must not overlap)
+#   WORK_DIR               /home/eai_role/code      code here, data in WORK_DIR/data, outputs in WORK_DIR/out
+#   NPROC_PER_NODE         the visible GPUs, else 1
+#   TRAIN_CONFIG           config/conf.yaml         relative to the code
+#   TRAIN_ARGS             extra train.py arguments, e.g. "--set train.max_steps=2000"
+#   SYNC_INTERVAL_SECONDS  60                       TensorBoard, log and status uploads
+#   READY_FILE             /tmp/ready               touched once restored (startup probe)
+#   HEALTH_FILE            /tmp/healthy             heartbeat (liveness probe)
+#   AWS_ENDPOINT_URL       an S3-compatible store; every S3 call honours it
+#   S3_RETRY_SECONDS       600                      how long S3 errors are retried before giving up
+#   LEASE_TTL_SECONDS      120                      a dead pod's lease expires after this
+#   S3_SYNC_TOOL           auto                     code and data sync: s5cmd when present, else aws
+#
+# Exit codes: 0 done (COMPLETE written), 64 bad input (the Job must not retry), 75 S3 or the
+# package index unreachable (a retry may pass), 143 after SIGTERM (130 SIGINT), else the trainer's.
+# shellcheck disable=SC2329 # most functions run indirectly: through phase, traps and run_child
+set -o errexit -o nounset -o pipefail -o errtrace
+
+readonly EXIT_BAD_INPUT=64
+readonly EXIT_UNAVAILABLE=75
+JOB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+readonly JOB_DIR
+
+STOP_SIGNAL=""
+SIGNALS_SEEN=0
+CHILD_PID=""
+TRAINER_PID=""
+UPLOADER_PID=""
+HEARTBEAT_PID=""
+TEE_PID=""
+LEASE_HELD=0
+PYTHON=python3
+STARTED_MS=$(date +%s%3N)
+
+log() { printf '%s script: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*"; }
+warn() { log "warning: $*" >&2; }
+die() {
+  local code=$1; shift
+  log "error: $*" >&2
+  exit "${code}"
+}
+need_cmd() { command -v "$1" >/dev/null 2>&1 || die "${EXIT_BAD_INPUT}" "$1 not found in the image; $2"; }
+elapsed_since() { local ms=$(($(date +%s%3N) - $1)); printf '%d.%01ds' $((ms / 1000)) $((ms % 1000 / 100)); }
+
+# Runs a step and logs how long it took, so the cost of every restart is visible.
+phase() {
+  local name=$1; shift
+  local started
+  started=$(date +%s%3N)
+  log "${name}..."
+  "$@"
+  log "${name}: done in $(elapsed_since "${started}")"
+}
+
+on_error() { log "error: ${BASH_SOURCE[1]}:$1: '$2' failed" >&2; }
+
+# -- signals and children ---------------------------------------------------------------------
+
+# bash as PID 1 passes no signal on by itself: forward it so the trainer can save its step.
+on_signal() {
+  local sig=$1
+  SIGNALS_SEEN=$((SIGNALS_SEEN + 1))
+  [[ -z "${STOP_SIGNAL}" ]] || return 0
+  STOP_SIGNAL=${sig}
+  if [[ -n "${TRAINER_PID}" ]]; then
+    log "got SIG${sig}: the trainer finishes its step and commits it"
+    kill -s "${sig}" "${TRAINER_PID}" 2>/dev/null || true
+  elif [[ -n "${CHILD_PID}" ]]; then
+    log "got SIG${sig} while setting up: stopping"
+    kill -s TERM "${CHILD_PID}" 2>/dev/null || true
+  fi
+}
+
+signal_exit_code() { [[ "${STOP_SIGNAL}" == INT ]] && echo 130 || echo 143; }
+
+# `wait` returns early when a trapped signal arrives; the child may still be running then.
+wait_for() {
+  local pid=$1 code seen
+  while true; do
+    seen=${SIGNALS_SEEN}
+    code=0
+    wait "${pid}" || code=$?
+    ((SIGNALS_SEEN != seen)) || return "${code}"
+    if ! kill -0 "${pid}" 2>/dev/null; then
+      local again=0
+      wait "${pid}" 2>/dev/null || again=$?
+      ((again == 127)) && return "${code}"
+      return "${again}"
+    fi
+  done
+}
+
+# Runs a setup command as a child so SIGTERM is handled at once, not after it finishes.
+run_child() {
+  "$@" &
+  CHILD_PID=$!
+  local code=0
+  wait_for "${CHILD_PID}" || code=$?
+  CHILD_PID=""
+  [[ -z "${STOP_SIGNAL}" ]] || exit "$(signal_exit_code)"
+  return "${code}"
+}
+
+start_heartbeat() {
+  [[ -z "${HEARTBEAT_PID}" ]] || return 0
+  (while true; do touch "${HEALTH_FILE}"; sleep 5; done) &
+  HEARTBEAT_PID=$!
+}
+
+stop_heartbeat() {
+  [[ -n "${HEARTBEAT_PID}" ]] || return 0
+  kill "${HEARTBEAT_PID}" 2>/dev/null || true
+  wait "${HEARTBEAT_PID}" 2>/dev/null || true
+  HEARTBEAT_PID=""
+}
+
+# -- settings ---------------------------------------------------------------------------------
+
+check_s3_uri() {
+  local name=$1 value=${!1:-}
+  [[ -n "${value}" ]] || die "${EXIT_BAD_INPUT}" "${name} is not set; set it to s3://bucket/prefix/ ($2)"
+  [[ "${value}" =~ ^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$ ]] ||
+    die "${EXIT_BAD_INPUT}" "${name}=${value} is not an s3://bucket/prefix/ URI; fix it in job.yaml"
+  [[ "${value}" == */ ]] || value="${value}/"
+  printf -v "${name}" '%s' "${value}"
+  export "${name?}"
+}
+
+check_no_overlap() {
+  local a=$1 b=$2
+  if [[ "${!a}" == "${!b}"* || "${!b}" == "${!a}"* ]]; then
+    die "${EXIT_BAD_INPUT}" "${a} (${!a}) and ${b} (${!b}) overlap; give S3_OUTPUT_URI its own prefix"
+  fi
+}
+
+check_positive_int() {
+  local name=$1 value=${!1}
+  [[ "${value}" =~ ^[1-9][0-9]*$ ]] || die "${EXIT_BAD_INPUT}" "${name}=${value} must be a positive integer; fix it in job.yaml"
+}
+
+visible_gpus() {
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+  else
+    echo 0
+  fi
+}
+
+validate_settings() {
+  check_s3_uri S3_CODE_URI "where scripts/stage.sh put the code"
+  check_s3_uri S3_DATA_URI "where train.bin and val.bin are"
+  check_s3_uri S3_OUTPUT_URI "where checkpoints and logs go"
+  check_no_overlap S3_OUTPUT_URI S3_CODE_URI
+  check_no_overlap S3_OUTPUT_URI S3_DATA_URI
+  if [[ -n "${AWS_ENDPOINT_URL:-}" && ! "${AWS_ENDPOINT_URL}" =~ ^https?://[^/]+ ]]; then
+    die "${EXIT_BAD_INPUT}" "AWS_ENDPOINT_URL=${AWS_ENDPOINT_URL} has no http:// or https:// scheme; add it"
+  fi
+
+  WORK_DIR=${WORK_DIR:-/home/eai_role/code}
+  TRAIN_CONFIG=${TRAIN_CONFIG:-config/conf.yaml}
+  SYNC_INTERVAL_SECONDS=${SYNC_INTERVAL_SECONDS:-60}
+  READY_FILE=${READY_FILE:-/tmp/ready}
+  HEALTH_FILE=${HEALTH_FILE:-/tmp/healthy}
+  S3_RETRY_SECONDS=${S3_RETRY_SECONDS:-600}
+  check_positive_int SYNC_INTERVAL_SECONDS
+  check_positive_int S3_RETRY_SECONDS
+  [[ "${TRAIN_CONFIG}" != /* ]] || die "${EXIT_BAD_INPUT}" "TRAIN_CONFIG=${TRAIN_CONFIG} must be relative to the code (e.g. config/conf.yaml)"
+  S3_SYNC_TOOL=${S3_SYNC_TOOL:-auto}
+  if [[ "${S3_SYNC_TOOL}" == auto ]]; then
+    command -v s5cmd >/dev/null 2>&1 && S3_SYNC_TOOL=s5cmd || S3_SYNC_TOOL=aws
+  fi
+  [[ "${S3_SYNC_TOOL}" =~ ^(aws|s5cmd)$ ]] || die "${EXIT_BAD_INPUT}" "S3_SYNC_TOOL=${S3_SYNC_TOOL} must be auto, aws or s5cmd"
+
+  local gpus
+  gpus=$(visible_gpus)
+  NPROC_PER_NODE=${NPROC_PER_NODE:-$((gpus > 0 ? gpus : 1))}
+  check_positive_int NPROC_PER_NODE
+  if ((gpus > 0 && NPROC_PER_NODE > gpus)); then
+    die "${EXIT_BAD_INPUT}" "NPROC_PER_NODE=${NPROC_PER_NODE} but the pod sees ${gpus} GPUs; lower it or request more nvidia.com/gpu"
+  fi
+
+  if ! mkdir -p "${WORK_DIR}" 2>/dev/null || [[ ! -w "${WORK_DIR}" ]]; then
+    die "${EXIT_BAD_INPUT}" "WORK_DIR=${WORK_DIR} is not writable; mount a volume there"
+  fi
+  CODE_DIR=${WORK_DIR}
+  DATA_DIR=${WORK_DIR}/data
+  OUTPUT_DIR=${WORK_DIR}/out
+  STATE_DIR=${WORK_DIR}/.pod
+  LOG_FILE=${STATE_DIR}/pod.log
+  mkdir -p "${DATA_DIR}" "${OUTPUT_DIR}" "${STATE_DIR}"
+  export WORK_DIR CODE_DIR STATE_DIR LOG_FILE HEALTH_FILE SYNC_INTERVAL_SECONDS S3_RETRY_SECONDS
+  export PYTHONUNBUFFERED=1
+  # The AWS CLI's own retries: exponential backoff with jitter on throttling, 5xx and resets.
+  export AWS_RETRY_MODE=${AWS_RETRY_MODE:-standard} AWS_MAX_ATTEMPTS=${AWS_MAX_ATTEMPTS:-5}
+}
+
+# -- S3 through the AWS CLI (s5cmd when the image has it) --------------------------------------
+
+bucket_of() { local rest=${1#s3://}; echo "${rest%%/*}"; }
+
+# One line for errors no retry fixes; nothing for the rest.
+permanent_s3_error() {
+  local output=$1 uri=$2 bucket
+  bucket=$(bucket_of "${uri}")
+  case "${output}" in
+    *NoSuchBucket* | *"(404) when calling the HeadBucket"*)
+      echo "bucket ${bucket} does not exist; create it or fix the URI ${uri}" ;;
+    *AccessDenied* | *Forbidden* | *"(403)"*)
+      echo "access to ${uri} denied; give the pod's role or Secret s3:ListBucket and s3:GetObject there (and s3:PutObject, s3:DeleteObject on S3_OUTPUT_URI)" ;;
+    *"Unable to locate credentials"* | *NoCredentialProviders* | *"no valid providers"*)
+      echo "no AWS credentials; create the Secret aws-credentials (see README) or give the pod an IAM role" ;;
+    *InvalidAccessKeyId* | *SignatureDoesNotMatch* | *ExpiredToken*)
+      echo "the AWS credentials were refused by S3 ($(grep -oE 'InvalidAccessKeyId|SignatureDoesNotMatch|ExpiredToken' <<<"${output}" | head -n 1)); fix the Secret" ;;
+  esac
+}
+
+# Retries transient S3 errors with exponential backoff and jitter for up to S3_RETRY_SECONDS.
+s3_retry() {
+  local uri=$1; shift
+  local output="${STATE_DIR}/s3-command.out" deadline=$((SECONDS + S3_RETRY_SECONDS)) delay=2 attempt=1
+  while true; do
+    if run_child "$@" >"${output}" 2>&1; then
+      return 0
+    fi
+    local text reason
+    text=$(tail -c 2000 "${output}")
+    reason=$(permanent_s3_error "${text}" "${uri}")
+    [[ -z "${reason}" ]] || die "${EXIT_BAD_INPUT}" "${reason}"
+    if ((SECONDS + delay > deadline)); then
+      die "${EXIT_UNAVAILABLE}" "S3 still failing after ${S3_RETRY_SECONDS}s for ${uri}: $(tail -n 1 <<<"${text}")"
+    fi
+    warn "S3 failed for ${uri} (try ${attempt}: $(tail -n 1 <<<"${text}")); again in ${delay}s"
+    sleep "${delay}"
+    attempt=$((attempt + 1))
+    delay=$((delay * 2 > 60 ? 60 : delay * 2 + RANDOM % 3))
+  done
+}
+
+s3_sync_down() {
+  local uri=$1 dest=$2
+  if [[ "${S3_SYNC_TOOL}" == s5cmd ]]; then
+    # s5cmd reads its endpoint from S3_ENDPOINT_URL, not AWS_ENDPOINT_URL.
+    S3_ENDPOINT_URL=${AWS_ENDPOINT_URL:-} s3_retry "${uri}" s5cmd --log error sync "${uri}*" "${dest}/"
+  else
+    s3_retry "${uri}" aws s3 sync --only-show-errors "${uri}" "${dest}"
+  fi
+}
+
+folder_size() { find "$1" -type f -printf '%s\n' | awk '{n++; b+=$1} END {printf "%d %d", n, b}'; }
+
+sync_down() {
+  local what=$1 uri=$2 dest=$3 started before after files bytes ms
+  started=$(date +%s%3N)
+  read -r _ before < <(folder_size "${dest}")
+  s3_sync_down "${uri}" "${dest}"
+  read -r files after < <(folder_size "${dest}")
+  bytes=$((after - before))
+  ms=$(($(date +%s%3N) - started + 1))
+  log "${what}: ${files} files in ${dest}, $(awk -v b="${bytes}" -v ms="${ms}" 'BEGIN {printf "%.1f MB fetched at %.1f MB/s", b/1e6, b/1e3/ms}')"
+}
+
+check_access() {
+  local uri bucket checked=" "
+  for uri in "${S3_CODE_URI}" "${S3_DATA_URI}" "${S3_OUTPUT_URI}"; do
+    bucket=$(bucket_of "${uri}")
+    [[ "${checked}" != *" ${bucket} "* ]] || continue
+    s3_retry "${uri}" aws s3api head-bucket --bucket "${bucket}"
+    checked+="${bucket} "
+  done
+}
+
+# Prints yes or no; errors other than "not found" fail, so s3_retry can retry them.
+object_exists() {
+  local out
+  if out=$(aws s3api head-object --bucket "$1" --key "$2" 2>&1); then
+    echo yes
+  elif grep -q '(404)' <<<"${out}"; then
+    echo no
+  else
+    echo "${out}" >&2
+    return 1
+  fi
+}
+
+already_complete() {
+  local bucket rest
+  bucket=$(bucket_of "${S3_OUTPUT_URI}")
+  rest=${S3_OUTPUT_URI#s3://"${bucket}"/}
+  s3_retry "${S3_OUTPUT_URI}" object_exists "${bucket}" "${rest}COMPLETE"
+  [[ "$(cat "${STATE_DIR}/s3-command.out")" == yes ]]
+}
+
+# -- the phases ---------------------------------------------------------------------------------
+
+sync_code() {
+  sync_down "code" "${S3_CODE_URI}" "${CODE_DIR}"
+  [[ -f "${CODE_DIR}/train.py" ]] ||
+    die "${EXIT_BAD_INPUT}" "${S3_CODE_URI} holds no train.py; upload the code with scripts/stage.sh ${S3_CODE_URI}"
+  [[ -f "${CODE_DIR}/checkpoint.py" ]] ||
+    die "${EXIT_BAD_INPUT}" "${S3_CODE_URI} holds no checkpoint.py; copy code/checkpoint.py next to your train.py (trainer and pod share it)"
+  [[ -f "${CODE_DIR}/${TRAIN_CONFIG}" ]] ||
+    die "${EXIT_BAD_INPUT}" "TRAIN_CONFIG=${TRAIN_CONFIG} is not in ${S3_CODE_URI}; upload it or fix TRAIN_CONFIG"
+}
+
+sync_data() {
+  sync_down "data" "${S3_DATA_URI}" "${DATA_DIR}"
+  local split
+  for split in train val; do
+    [[ -s "${DATA_DIR}/${split}.bin" ]] ||
+      die "${EXIT_BAD_INPUT}" "${S3_DATA_URI} holds no ${split}.bin; make it with scripts/prepare_data.py and upload it there"
+  done
+}
+
+setup_python() {
+  local requirements=("${JOB_DIR}/requirements.txt")
+  [[ ! -f "${CODE_DIR}/requirements.txt" ]] || requirements+=("${CODE_DIR}/requirements.txt")
+  run_child bash "${JOB_DIR}/python_env.sh" "${WORK_DIR}" "${requirements[@]}" >"${STATE_DIR}/python"
+  PYTHON=$(cat "${STATE_DIR}/python")
+  log "python: ${PYTHON} ($("${PYTHON}" -c 'import sys, torch; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}")'))"
+}
+
+take_lease() {
+  local code=0
+  run_child "${PYTHON}" "${JOB_DIR}/lease.py" acquire "${S3_OUTPUT_URI}" "${STATE_DIR}/lease.json" || code=$?
+  case "${code}" in
+    0) LEASE_HELD=1 ;;
+    3) log "another pod finished this run meanwhile: ${S3_OUTPUT_URI}COMPLETE"; exit 0 ;;
+    *) exit "${code}" ;;
+  esac
+}
+
+# The uploader starts before the restore because it renews the lease.
+start_uploader() {
+  "${PYTHON}" "${JOB_DIR}/uploader.py" watch "${S3_OUTPUT_URI}" "${OUTPUT_DIR}" &
+  UPLOADER_PID=$!
+}
+
+stop_uploader() {
+  [[ -n "${UPLOADER_PID}" ]] || return 0
+  kill -TERM "${UPLOADER_PID}" 2>/dev/null || true
+  wait_for "${UPLOADER_PID}" || true
+  UPLOADER_PID=""
+}
+
+restore_checkpoint() {
+  run_child "${PYTHON}" "${JOB_DIR}/restore.py" "${S3_OUTPUT_URI}" "${OUTPUT_DIR}"
+}
+
+mark_ready() {
+  touch "${READY_FILE}" "${HEALTH_FILE}"
+  log "ready: $(elapsed_since "${STARTED_MS}") from start to training"
+}
+
+run_trainer() {
+  local -a extra=()
+  read -r -a extra <<<"${TRAIN_ARGS:-}"
+  local error_file="${STATE_DIR}/trainer-error.json"
+  rm -f "${error_file}"
+  log "torchrun --standalone --nproc_per_node=${NPROC_PER_NODE} train.py --config ${TRAIN_CONFIG} ${TRAIN_ARGS:-}"
+  TORCHELASTIC_ERROR_FILE=${error_file} "${PYTHON}" -m torch.distributed.run --standalone \
+    --nproc_per_node="${NPROC_PER_NODE}" "${CODE_DIR}/train.py" --config "${CODE_DIR}/${TRAIN_CONFIG}" \
+    --data_dir "${DATA_DIR}" --output_dir "${OUTPUT_DIR}" "${extra[@]}" &
+  TRAINER_PID=$!
+  local code=0
+  wait_for "${TRAINER_PID}" || code=$?
+  TRAINER_PID=""
+  if [[ -n "${STOP_SIGNAL}" ]]; then
+    return "$(signal_exit_code)"
+  fi
+  if ((code != 0)) && [[ -f "${error_file}" ]]; then
+    # torchrun exits 1 whatever its workers' codes; their root cause carries the real one.
+    local worker
+    worker=$("${PYTHON}" -c 'import json, sys; print(json.load(open(sys.argv[1]))["message"].get("errorCode", ""))' "${error_file}" 2>/dev/null || true)
+    [[ -z "${worker}" ]] || code=${worker}
+  fi
+  return "${code}"
+}
+
+# -- the end, whatever it is --------------------------------------------------------------------
+
+finish() {
+  local code=$?
+  trap '' TERM INT  # the grace period is for this final upload: no second interruption
+  stop_heartbeat
+  [[ -z "${TRAINER_PID}" ]] || kill -s TERM "${TRAINER_PID}" 2>/dev/null || true
+  if ((LEASE_HELD)); then
+    start_heartbeat
+    stop_uploader
+    local upload=0 started
+    started=$(date +%s%3N)
+    log "final upload (trainer exit ${code})..."
+    "${PYTHON}" "${JOB_DIR}/uploader.py" final "${S3_OUTPUT_URI}" "${OUTPUT_DIR}" "${code}" || upload=$?
+    log "final upload: done in $(elapsed_since "${started}") (exit ${upload})"
+    if ((upload != 0)) && ((code == 0 || code == 130 || code == 143)); then
+      code=${upload}
+    fi
+    stop_heartbeat
+  fi
+  log "exit ${code} after $(elapsed_since "${STARTED_MS}")"
+  # When PID 1 exits every other process in the container dies: let tee write its last lines first.
+  exec >&- 2>&-
+  [[ -z "${TEE_PID}" ]] || wait "${TEE_PID}" 2>/dev/null || true
+  exit "${code}"
+}
+
+main() {
+  trap 'on_error ${LINENO} "${BASH_COMMAND}"' ERR
+  trap 'on_signal TERM' TERM
+  trap 'on_signal INT' INT
+  validate_settings
+  exec > >(tee -a "${LOG_FILE}") 2>&1
+  TEE_PID=$!
+  trap finish EXIT
+  log "pod ${HOSTNAME:-?} starting: code ${S3_CODE_URI}, data ${S3_DATA_URI}, output ${S3_OUTPUT_URI}, ${NPROC_PER_NODE} process(es), sync with ${S3_SYNC_TOOL}"
+  need_cmd aws "install awscli (or s5cmd) in the image"
+
+  phase "check S3 access" check_access
+  if already_complete; then
+    log "${S3_OUTPUT_URI}COMPLETE exists: this run is finished, nothing to do"
+    exit 0
+  fi
+  phase "sync code" sync_code
+  phase "sync data" sync_data
+  phase "python environment" setup_python
+  phase "take the run's lease" take_lease
+  start_uploader
+  phase "restore checkpoint" restore_checkpoint
+  mark_ready
+
+  local code=0
+  run_trainer || code=$?
+  exit "${code}"
+}
+
+main "$@"

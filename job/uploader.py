@@ -1,0 +1,402 @@
+"""Put what the trainer commits into S3 as it happens, and the rest when the pod ends.
+
+    python uploader.py watch S3_OUTPUT_URI OUTPUT_DIR             # in the background, until SIGTERM
+    python uploader.py final S3_OUTPUT_URI OUTPUT_DIR EXIT_CODE   # once, from the EXIT trap
+
+Checkpoints: a newly committed local folder goes up within seconds, its files first and
+manifest.json last, so S3 never shows half a checkpoint as committed. A step already in S3 with
+other bytes (a redone step) is uncommitted first. S3 keeps what the trainer keeps: the newest
+`keep` committed folders plus best/ (copied server-side when it is a step already in S3); the
+newest is never deleted.
+
+Every SYNC_INTERVAL_SECONDS: TensorBoard event files (up to their last whole record: a file being
+written never goes up cut mid-record), this attempt's log (up to its last whole line), and
+status.json, the run's state for scripts/status.py. `final` does one last round; after exit code 0
+at the last step it writes COMPLETE, last of all.
+
+Every write first proves the pod still holds the run's lease (lease.py). S3 outages: the watcher
+retries with exponential backoff and jitter forever (training never waits on it); `final` gives up
+after S3_RETRY_SECONDS with exit 75.
+
+Environment: SYNC_INTERVAL_SECONDS (60), LOG_FILE, STATE_DIR (lease and attempt), HEALTH_FILE,
+CODE_DIR (checkpoint.py), HOSTNAME.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+import botocore.exceptions
+
+import s3 as s3lib
+from lease import Keeper, Lease, LeaseLost
+from s3 import Location, log
+
+s3lib.code_dir_on_path()
+import checkpoint  # noqa: E402 - from the training code: CODE_DIR
+
+POLL_SECONDS = 1.0
+EXIT_LEASE_LOST = 75
+
+
+def whole_records_length(path: Path) -> int:
+    """Bytes of an event file up to its last complete TFRecord (length, crc, data, crc)."""
+    size, offset = path.stat().st_size, 0
+    with open(path, "rb") as file:
+        while offset + 12 <= size:
+            file.seek(offset)
+            (length,) = struct.unpack("<Q", file.read(8))
+            end = offset + 12 + length + 4
+            if end > size:
+                break
+            offset = end
+    return offset
+
+
+def whole_lines_length(path: Path) -> int:
+    data = path.read_bytes()
+    return data.rfind(b"\n") + 1
+
+
+class Uploader:
+    def __init__(self, run: Location, out: Path, retry_seconds: float):
+        self.s3 = s3lib.client()
+        self.run = run
+        self.out = out
+        self.ckpts = run.child("checkpoints")
+        self.retry = s3lib.retrying("upload", run.bucket, seconds=retry_seconds, name="uploader")
+        self.state_dir = Path(os.environ.get("STATE_DIR", out / ".pod"))
+        self.log_file = Path(os.environ["LOG_FILE"]) if os.environ.get("LOG_FILE") else None
+        self.sent: dict[str, int] = {}  # bytes of each growing file already in S3
+        self.remote: dict[str, dict | None] = {}  # checkpoint name -> its manifest's files in S3
+        self.keeper: Keeper | None = None
+        self.attempt: dict = {}
+
+    # -- the lease ------------------------------------------------------------------------------
+
+    def hold_lease(self) -> None:
+        self.keeper = Keeper(Lease.load(self.s3, self.run, self.state_dir / "lease.json"))
+        self.keeper.start()
+
+    def may_write(self) -> None:
+        self.keeper.check()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def sync_checkpoints(self) -> None:
+        local = checkpoint.committed_steps(self.out / "checkpoints")
+        if not local:
+            return
+        keep = _keep_of(local[0][1])
+        for _, folder in local[:keep]:
+            self.upload_checkpoint(folder)
+        best = self.out / "checkpoints" / "best"
+        if checkpoint.is_committed(best):
+            self.upload_checkpoint(best)
+        self.apply_retention(keep)
+
+    def remote_files(self, name: str) -> dict | None:
+        if name not in self.remote:
+            manifest, _ = s3lib.get_json(self.s3, self.ckpts, self.ckpts.key(name, checkpoint.MANIFEST), self.retry)
+            self.remote[name] = manifest["files"] if manifest else None
+        return self.remote[name]
+
+    def upload_checkpoint(self, folder: Path) -> None:
+        manifest_bytes = _read_or_none(folder / checkpoint.MANIFEST)
+        if manifest_bytes is None:
+            return  # pruned by the trainer meanwhile: a newer one exists
+        manifest = json.loads(manifest_bytes)
+        if self.remote_files(folder.name) == manifest["files"]:
+            return
+        handles = _open_all(folder, manifest["files"])
+        if handles is None:
+            return
+        started = time.monotonic()
+        try:
+            self.may_write()
+            if self.remote_files(folder.name) is not None:
+                self._uncommit(folder.name)
+            for name, handle in handles.items():
+                self._put_file(folder, name, handle, manifest)
+            self.may_write()
+            self.retry(self.s3.put_object, Bucket=self.run.bucket,
+                       Key=self.ckpts.key(folder.name, checkpoint.MANIFEST), Body=manifest_bytes,
+                       ContentType="application/json")
+        finally:
+            for handle in handles.values():
+                handle.close()
+        self.remote[folder.name] = manifest["files"]
+        size = sum(e["size"] for e in manifest["files"].values())
+        took = time.monotonic() - started
+        log("uploader", f"{folder.name} is in S3: {size / 1e6:.1f} MB in {took:.1f}s "
+                        f"({size / 1e6 / max(took, 1e-3):.0f} MB/s), manifest last")
+
+    def _put_file(self, folder: Path, name: str, handle, manifest: dict) -> None:
+        key = self.ckpts.key(folder.name, name)
+        source = self._same_bytes_in_s3(folder.name, name, manifest)
+        if source:  # best/ is a step that is already up: copy inside S3
+            copy = {"Bucket": self.run.bucket, "Key": source}
+            self.retry(self.s3.copy, copy, self.run.bucket, key, Config=s3lib.TRANSFER)
+            return
+
+        def put():
+            handle.seek(0)
+            self.s3.upload_fileobj(handle, self.run.bucket, key, Config=s3lib.TRANSFER)
+
+        self.retry(put)
+
+    def _same_bytes_in_s3(self, folder_name: str, name: str, manifest: dict) -> str | None:
+        step = manifest.get("meta", {}).get("step")
+        if checkpoint.parse_step(folder_name) is not None or step is None:
+            return None
+        source = checkpoint.step_dir_name(step)
+        remote = self.remote_files(source)
+        if remote and remote.get(name) == manifest["files"][name]:
+            return self.ckpts.key(source, name)
+        return None
+
+    def _uncommit(self, name: str) -> None:
+        self.retry(self.s3.delete_object, Bucket=self.run.bucket, Key=self.ckpts.key(name, checkpoint.MANIFEST))
+        self.remote[name] = None
+
+    def apply_retention(self, keep: int) -> None:
+        objects = s3lib.list_objects(self.s3, self.ckpts, self.retry)
+        by_step: dict[int, list[str]] = {}
+        committed = set()
+        for item in objects:
+            name, _, rest = item["Key"][len(self.ckpts.prefix):].partition("/")
+            step = checkpoint.parse_step(name)
+            if step is None:
+                continue
+            by_step.setdefault(step, []).append(item["Key"])
+            if rest == checkpoint.MANIFEST:
+                committed.add(step)
+        if not committed:
+            return
+        kept = sorted(committed, reverse=True)[:max(keep, 1)]
+        newest = kept[0]
+        # Older than the newest committed and not kept: pruned ones, and leftovers of uploads
+        # that a dead pod never finished (no manifest).
+        doomed = [s for s in by_step if s not in kept and s < newest]
+        for step in sorted(doomed):
+            self._delete_checkpoint(step, by_step[step])
+
+    def _delete_checkpoint(self, step: int, keys: list[str]) -> None:
+        self.may_write()
+        name = checkpoint.step_dir_name(step)
+        manifest = self.ckpts.key(name, checkpoint.MANIFEST)
+        if manifest in keys:  # uncommit first: a half-deleted folder must not look whole
+            self.retry(self.s3.delete_object, Bucket=self.run.bucket, Key=manifest)
+        rest = [{"Key": k} for k in keys if k != manifest]
+        for start in range(0, len(rest), 1000):
+            self.retry(self.s3.delete_objects, Bucket=self.run.bucket,
+                       Delete={"Objects": rest[start:start + 1000], "Quiet": True})
+        self.remote.pop(name, None)
+        log("uploader", f"retention: removed {name} from S3")
+
+    # -- growing files ---------------------------------------------------------------------------
+
+    def sync_growing_files(self) -> None:
+        events = self.out / "tensorboard"
+        if events.is_dir():
+            for path in sorted(p for p in events.rglob("*") if p.is_file()):
+                self._put_prefix(path, self.run.key("tensorboard", str(path.relative_to(events))),
+                                 whole_records_length(path))
+        if self.log_file and self.log_file.is_file():
+            self._put_prefix(self.log_file, self.run.key("logs", self.log_name()),
+                             whole_lines_length(self.log_file))
+
+    def _put_prefix(self, path: Path, key: str, length: int) -> None:
+        if length <= self.sent.get(key, 0):
+            return
+        with open(path, "rb") as file:
+            body = file.read(length)
+        self.may_write()
+        self.retry(self.s3.put_object, Bucket=self.run.bucket, Key=key, Body=body)
+        self.sent[key] = length
+
+    def log_name(self) -> str:
+        return f"attempt-{self.attempt.get('attempt', 0):04d}-{self.attempt.get('pod', 'pod')}.log"
+
+    # -- status ------------------------------------------------------------------------------------
+
+    def begin_attempt(self) -> None:
+        """Number this pod's attempt in status.json; earlier ones that never ended were lost."""
+        status, _ = s3lib.get_json(self.s3, self.run, self.run.key("status.json"), self.retry)
+        attempts = (status or {}).get("attempts", [])
+        for old in attempts:
+            if old.get("ended_at") is None:
+                old.update(ended_at=old.get("heartbeat_at") or old.get("started_at"), exit_code=None, lost=True)
+        now = time.time()
+        self.attempt = {"attempt": len(attempts) + 1, "pod": os.environ.get("HOSTNAME", "pod"),
+                        "started_at": now, "heartbeat_at": now, "ended_at": None, "exit_code": None,
+                        "start_step": None, "end_step": None}
+        attempts.append(self.attempt)
+        self.attempts = attempts
+        (self.state_dir / "attempt.json").write_text(json.dumps(attempts))
+        self.write_status("starting")
+
+    def resume_attempt(self) -> None:
+        """The attempt the watcher began; or begin it now if S3 was down the whole time."""
+        attempts = _read_json(self.state_dir / "attempt.json")
+        if not attempts:
+            self.begin_attempt()
+            return
+        self.attempts, self.attempt = attempts, attempts[-1]
+
+    def write_status(self, state: str) -> None:
+        progress = _read_json(self.out / "progress.json") or {}
+        if progress and self.attempt.get("start_step") is None:
+            self.attempt["start_step"] = progress.get("step")
+        self.attempt["end_step"] = progress.get("step", self.attempt.get("end_step"))
+        self.attempt["heartbeat_at"] = _heartbeat_time()
+        newest = checkpoint.committed_steps(self.out / "checkpoints")
+        status = {"state": state, "attempt": self.attempt["attempt"], "pod": self.attempt["pod"],
+                  "started_at": self.attempt["started_at"], "heartbeat_at": self.attempt["heartbeat_at"],
+                  "updated_at": time.time(), "progress": progress,
+                  "committed_step": max((s for s, _ in newest), default=None),
+                  "attempts": self.attempts}
+        self.may_write()
+        s3lib.put_json(self.s3, self.run, self.run.key("status.json"), status, self.retry)
+        (self.state_dir / "attempt.json").write_text(json.dumps(self.attempts))
+
+    def write_complete(self) -> bool:
+        progress = _read_json(self.out / "progress.json") or {}
+        last = progress.get("max_steps")
+        if progress.get("step") != last or self.remote_files(checkpoint.step_dir_name(last)) is None:
+            log("uploader", f"not writing COMPLETE: step {progress.get('step')} of {last} is the newest in S3")
+            return False
+        seconds = sum((a.get("ended_at") or time.time()) - a["started_at"] for a in self.attempts)
+        summary = {"steps": last, "train_loss": progress.get("train_loss"), "val_loss": progress.get("val_loss"),
+                   "best_val_loss": progress.get("best_val_loss"), "best_step": progress.get("best_step"),
+                   "attempts": len(self.attempts), "wall_seconds": round(seconds, 1),
+                   "completed_at": time.time(), "pod": self.attempt["pod"]}
+        self.may_write()
+        s3lib.put_json(self.s3, self.run, self.run.key("COMPLETE"), summary, self.retry)
+        log("uploader", f"wrote {self.run}COMPLETE: {json.dumps(summary)}")
+        return True
+
+
+def watch(uploader: Uploader, interval: float) -> int:
+    """Upload checkpoints as they commit, the rest every `interval`, until SIGTERM."""
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    uploader.hold_lease()
+    next_sync, backoff = 0.0, 0.0
+    while not stopping.is_set():
+        try:
+            if not uploader.attempt:
+                uploader.begin_attempt()
+            uploader.sync_checkpoints()
+            if time.monotonic() >= next_sync:
+                uploader.sync_growing_files()
+                uploader.write_status("running")
+                next_sync = time.monotonic() + interval
+            backoff = 0.0
+        except LeaseLost as err:
+            log("uploader", f"error: {err}")
+            os.kill(os.getppid(), signal.SIGTERM)  # the bootstrap stops the trainer
+            return EXIT_LEASE_LOST
+        except (s3lib.Unavailable, s3lib.BadInput) as err:
+            backoff = min(60.0, max(2.0, backoff * 2))
+            log("uploader", f"warning: {err}; training goes on, next try in {backoff:.0f}s")
+        stopping.wait(backoff * random.uniform(0.5, 1.0) if backoff else POLL_SECONDS)
+    return 0
+
+
+def final(uploader: Uploader, exit_code: int) -> int:
+    """Everything left, then the attempt's end in status.json, then COMPLETE; then the lease goes."""
+    uploader.hold_lease()
+    started = time.monotonic()
+    try:
+        uploader.resume_attempt()
+        uploader.sync_checkpoints()
+        uploader.attempt.update(ended_at=time.time(), exit_code=exit_code)
+        uploader.write_status(_state_for(exit_code))
+        uploader.sync_growing_files()
+        if exit_code == 0 and not uploader.write_complete():
+            return s3lib.EXIT_UNAVAILABLE
+    except LeaseLost as err:
+        log("uploader", f"error: {err}; nothing more is uploaded")
+        return EXIT_LEASE_LOST
+    uploader.keeper.stop()
+    uploader.keeper.lease.release()
+    log("uploader", f"final upload done in {time.monotonic() - started:.1f}s")
+    return 0
+
+
+def _state_for(exit_code: int) -> str:
+    if exit_code == 0:
+        return "completed"
+    if exit_code in (130, 143):
+        return "interrupted"
+    return "failed"
+
+
+def _keep_of(folder: Path) -> int:
+    """The trainer's checkpoint.keep, which it records in each manifest."""
+    manifest = checkpoint.read_manifest(folder) or {}
+    return int(manifest.get("meta", {}).get("keep", 3))
+
+
+def _heartbeat_time() -> float:
+    path = os.environ.get("HEALTH_FILE")
+    try:
+        return os.stat(path).st_mtime if path else time.time()
+    except OSError:
+        return time.time()
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _open_all(folder: Path, files: dict) -> dict | None:
+    """Open every file first: the trainer may prune the folder meanwhile, open files stay readable."""
+    handles = {}
+    try:
+        for name in sorted(files):
+            handles[name] = open(folder / name, "rb")
+    except OSError:
+        for handle in handles.values():
+            handle.close()
+        return None
+    return handles
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[0] not in ("watch", "final") or (argv[0] == "final") != (len(argv) == 4):
+        print("usage: uploader.py watch S3_OUTPUT_URI OUTPUT_DIR | final S3_OUTPUT_URI OUTPUT_DIR EXIT_CODE",
+              file=sys.stderr)
+        return s3lib.EXIT_BAD_INPUT
+    run, out = Location.parse(argv[1]), Path(argv[2])
+    if argv[0] == "watch":
+        # Short retry rounds: the loop itself backs off and tries again, forever.
+        uploader = Uploader(run, out, retry_seconds=30)
+        interval = float(os.environ.get("SYNC_INTERVAL_SECONDS", "60"))
+        return s3lib.main_guard("uploader", lambda: watch(uploader, interval))
+    uploader = Uploader(run, out, retry_seconds=s3lib.retry_seconds())
+    return s3lib.main_guard("uploader", lambda: final(uploader, int(argv[3])))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Uploads the training code in the layout the pod expects:
+#
+#   S3_CODE_URI/train.py model.py config.py checkpoint.py requirements.txt config/*.yaml
+#
+#   scripts/stage.sh s3://bucket/gpt/code/ [--data DIR s3://bucket/gpt/data/]
+#
+# The code prefix is made to match exactly (files gone from code/ are removed there); --data
+# uploads train.bin, val.bin and meta.json from DIR (made by scripts/prepare_data.py). Uses the AWS
+# CLI; AWS_ENDPOINT_URL points it at an S3-compatible store.
+set -o errexit -o nounset -o pipefail
+
+die() { echo "stage.sh: error: $*" >&2; exit 64; }
+
+check_uri() {
+  [[ "$1" =~ ^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$ ]] || die "$1 is not an s3://bucket/prefix/ URI"
+  [[ "$1" == */ ]] && echo "$1" || echo "$1/"
+}
+
+stage_code() {
+  local root=$1 uri=$2 layout
+  layout=$(mktemp -d)
+  trap 'rm -rf "${layout}"' RETURN
+  cp "${root}"/code/*.py "${root}/code/requirements.txt" "${layout}/"
+  mkdir "${layout}/config"
+  cp "${root}"/config/*.yaml "${layout}/config/"
+  aws s3 sync --delete --only-show-errors "${layout}/" "${uri}"
+  echo "staged code: $(find "${layout}" -type f | wc -l) files in ${uri}"
+}
+
+stage_data() {
+  local dir=$1 uri=$2 name
+  for name in train.bin val.bin; do
+    [[ -s "${dir}/${name}" ]] || die "${dir}/${name} not found; make it with scripts/prepare_data.py --out ${dir}"
+  done
+  aws s3 sync --only-show-errors --exclude '*' --include '*.bin' --include meta.json "${dir}/" "${uri}"
+  echo "staged data: $(du -sh "${dir}" | cut -f1) from ${dir} in ${uri}"
+}
+
+main() {
+  [[ $# -eq 1 || ( $# -eq 4 && "$2" == --data ) ]] ||
+    die "usage: scripts/stage.sh S3_CODE_URI [--data DIR S3_DATA_URI]"
+  command -v aws >/dev/null || die "aws not found; run ./scripts/test.sh once (it makes .venv) or install awscli"
+  local root code_uri
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  code_uri=$(check_uri "$1")
+  stage_code "${root}" "${code_uri}"
+  if [[ $# -eq 4 ]]; then
+    stage_data "$3" "$(check_uri "$4")"
+  fi
+}
+
+main "$@"

@@ -1,0 +1,184 @@
+"""The real job.yaml, run by scripts/local_pod.py against the local S3: a staged run, its pods, and
+what S3 holds afterwards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+import checkpoint
+from helpers import ROOT, VENV_BIN, write_config, write_corpus
+
+JOB_YAML = ROOT / "job.yaml"
+BUCKET = "test-bucket"
+POD_CONFIG = {"train__max_steps": 30, "checkpoint__interval": 5, "checkpoint__keep": 2, "eval__interval": 10}
+
+
+class Pod:
+    """One pod: the runner process, its output as it comes, and its PID 1 on the host."""
+
+    def __init__(self, command: list[str], pidfile: Path, env: dict):
+        self.pidfile = pidfile
+        self.lines: list[str] = []
+        self._new = queue.Queue()
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._new.put(line)
+        self._new.put(None)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = 120) -> str:
+        """Block until a line containing `text` appears; return it."""
+        for line in self.lines:
+            if text in line:
+                return line
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._new.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            if text in line:
+                return line
+        raise AssertionError(f"no line with {text!r}; output:\n{self.output[-4000:]}")
+
+    def pid1(self) -> int:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.pidfile.exists() and self.pidfile.read_text().strip():
+                return int(self.pidfile.read_text())
+            time.sleep(0.05)
+        raise AssertionError("the runner wrote no pidfile")
+
+    def lose_node(self) -> None:
+        """SIGKILL the pod's PID 1: everything in it dies at once, nothing is uploaded."""
+        os.kill(self.pid1(), signal.SIGKILL)
+
+    def delete(self) -> None:
+        """Graceful deletion: SIGTERM to the runner, which sends SIGTERM to PID 1."""
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 300) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError(f"pod still running after {timeout}s:\n{self.output[-4000:]}")
+
+
+class Run:
+    """Code, data and an output prefix in the local S3, and the pods that train there."""
+
+    def __init__(self, s3, endpoint: str, folder: Path, name: str = "run", **config):
+        self.s3, self.endpoint, self.folder = s3, endpoint, folder
+        self.code_uri = f"s3://{BUCKET}/code/"
+        self.data_uri = f"s3://{BUCKET}/data/"
+        self.output_uri = f"s3://{BUCKET}/runs/{name}/"
+        self.prefix = f"runs/{name}/"
+        self.config = {**POD_CONFIG, **config}
+        self.pods = 0
+
+    def stage(self) -> "Run":
+        data = write_corpus(self.folder / "data")
+        subprocess.run([str(ROOT / "scripts" / "stage.sh"), self.code_uri, "--data", str(data), self.data_uri],
+                       check=True, capture_output=True, env=tool_env())
+        tiny = write_config(self.folder / "tiny.yaml", **self.config)
+        self.s3.upload_file(str(tiny), BUCKET, "code/config/tiny.yaml")
+        return self
+
+    def env(self, **extra: str) -> dict:
+        env = {
+            "S3_CODE_URI": self.code_uri, "S3_DATA_URI": self.data_uri, "S3_OUTPUT_URI": self.output_uri,
+            "AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
+            "AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"],
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": self.endpoint,
+            "NPROC_PER_NODE": "1", "TRAIN_CONFIG": "config/tiny.yaml", "SYNC_INTERVAL_SECONDS": "1",
+            "LEASE_TTL_SECONDS": "4", "S3_RETRY_SECONDS": "60",
+        }
+        env.update(extra)
+        return env
+
+    def start(self, job_yaml: Path = JOB_YAML, **env: str) -> Pod:
+        self.pods += 1
+        pidfile = self.folder / f"pod-{self.pods}.pid"
+        command = [sys.executable, str(ROOT / "scripts" / "local_pod.py"), "--pidfile", str(pidfile),
+                   "--configmap", f"script-configmap={ROOT / 'job'}"]
+        for key, value in self.env(**env).items():
+            command += ["--env", f"{key}={value}"]
+        return Pod(command + [str(job_yaml)], pidfile, tool_env())
+
+    def run(self, **env: str) -> tuple[int, Pod]:
+        pod = self.start(**env)
+        return pod.wait(), pod
+
+    # -- what S3 holds ---------------------------------------------------------------------------
+
+    def keys(self) -> dict[str, str]:
+        """Every key under the run's prefix with its ETag."""
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=self.prefix)
+        return {o["Key"][len(self.prefix):]: o["ETag"] for p in pages for o in p.get("Contents", [])}
+
+    def read(self, key: str) -> bytes:
+        return self.s3.get_object(Bucket=BUCKET, Key=self.prefix + key)["Body"].read()
+
+    def json(self, key: str) -> dict:
+        return json.loads(self.read(key))
+
+    def committed_steps(self) -> list[int]:
+        """Steps S3 shows as committed (their manifest is there), newest first."""
+        names = {k.split("/")[1] for k in self.keys() if k.startswith("checkpoints/") and k.endswith("/manifest.json")}
+        return sorted((checkpoint.parse_step(n) for n in names if checkpoint.parse_step(n) is not None), reverse=True)
+
+    def verify_in_s3(self, name: str) -> str | None:
+        """None when every file of a committed checkpoint in S3 matches its manifest."""
+        manifest = self.json(f"checkpoints/{name}/manifest.json")
+        for file, entry in manifest["files"].items():
+            data = self.read(f"checkpoints/{name}/{file}")
+            if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+                return f"{name}/{file} does not match its manifest"
+        return None
+
+    def model_sha(self, step: int) -> str:
+        return hashlib.sha256(self.read(f"checkpoints/{checkpoint.step_dir_name(step)}/model.pt")).hexdigest()
+
+
+def tool_env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def scaled_job_yaml(folder: Path, period: int = 1, failure: int = 2, grace: int | None = None) -> Path:
+    """job.yaml with its probes run every `period` seconds (a test cannot wait 90 s for liveness)."""
+    job = yaml.safe_load(JOB_YAML.read_text())
+    spec = job["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        container[probe]["periodSeconds"] = period
+        if probe == "livenessProbe":
+            container[probe]["failureThreshold"] = failure
+    if grace is not None:
+        spec["terminationGracePeriodSeconds"] = grace
+    path = folder / "job-scaled.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path

@@ -1,0 +1,192 @@
+"""job.yaml against the official schemas and the defects it must not have; the shell scripts under
+shellcheck; the ConfigMap as kubectl renders it; the pod's Python environment step."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import ROOT, VENV_BIN
+
+JOB = yaml.safe_load((ROOT / "job.yaml").read_text())
+POD = JOB["spec"]["template"]["spec"]
+CONTAINER = POD["containers"][0]
+
+
+def bundled_kubernetes_versions() -> list[str]:
+    import kubernetes_validate
+
+    schemas = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+    found = {m.group(1) for p in schemas.iterdir() if (m := re.match(r"v(1\.(\d+)\.\d+)-local-strict$", p.name))}
+    return sorted((v for v in found if int(v.split(".")[1]) >= 29), key=lambda v: int(v.split(".")[1]))
+
+
+VERSIONS = bundled_kubernetes_versions()
+
+
+def test_every_version_from_1_29_to_the_newest_bundled_is_checked():
+    assert VERSIONS[0] == "1.29.0" and len(VERSIONS) >= 8
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_job_yaml_is_valid_for_kubernetes(version):
+    result = subprocess.run([str(VENV_BIN / "kubernetes-validate"), "--strict", "-k", version, str(ROOT / "job.yaml")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "passed" in result.stdout
+
+
+def test_failure_policy_ignores_preemption_and_fails_on_bad_input():
+    spec = JOB["spec"]
+    assert POD["restartPolicy"] == "Never" and spec["podReplacementPolicy"] == "Failed"
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    assert rules[1]["action"] == "FailJob" and rules[1]["onExitCodes"]["values"] == [64]
+    assert rules[1]["onExitCodes"]["containerName"] == CONTAINER["name"]
+    assert spec["backoffLimit"] >= 1
+
+
+def test_pod_has_gpus_volumes_and_a_grace_period_for_the_final_upload():
+    assert CONTAINER["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert POD["terminationGracePeriodSeconds"] >= 120
+    volumes = {v["name"]: v for v in POD["volumes"]}
+    assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["job"]["configMap"] == {"name": "script-configmap", "defaultMode": 0o555}
+    mounts = {m["mountPath"]: m for m in CONTAINER["volumeMounts"]}
+    assert mounts["/opt/job"]["readOnly"] and "/dev/shm" in mounts and "/tmp" in mounts
+    assert CONTAINER["command"] == ["/bin/bash", "/opt/job/script.sh"], "run through bash: no chmod"
+    env = {e["name"]: e.get("value") for e in CONTAINER["env"]}
+    assert env["HOME"].startswith(mounts["/home/eai_role"]["mountPath"])
+    assert CONTAINER["envFrom"] == [{"secretRef": {"name": "aws-credentials", "optional": True}}]
+
+
+def test_pod_is_hardened():
+    pod_security, security = POD["securityContext"], CONTAINER["securityContext"]
+    assert isinstance(pod_security["runAsUser"], int) and pod_security["runAsUser"] > 0
+    assert pod_security["runAsNonRoot"] and pod_security["seccompProfile"]["type"] == "RuntimeDefault"
+    assert security["allowPrivilegeEscalation"] is False and security["capabilities"]["drop"] == ["ALL"]
+    assert security["readOnlyRootFilesystem"] is True
+
+
+def run_probe(probe: str, tmp_path: Path, **env: str) -> int:
+    command = CONTAINER[probe]["exec"]["command"]
+    full = {"PATH": os.environ["PATH"], "HEALTH_FILE": str(tmp_path / "healthy"),
+            "READY_FILE": str(tmp_path / "ready"), **env}
+    return subprocess.run(command, env=full, capture_output=True).returncode
+
+
+def test_liveness_fails_only_when_the_heartbeat_is_stale(tmp_path):
+    assert run_probe("livenessProbe", tmp_path) != 0, "no heartbeat yet: startupProbe gates this"
+    health = tmp_path / "healthy"
+    health.touch()
+    assert run_probe("livenessProbe", tmp_path) == 0
+    old = time.time() - 601
+    os.utime(health, (old, old))
+    assert run_probe("livenessProbe", tmp_path) != 0
+    assert run_probe("livenessProbe", tmp_path, HEALTH_MAX_AGE_SECONDS="3600") == 0
+    assert CONTAINER["livenessProbe"]["timeoutSeconds"] >= 1
+
+
+def test_startup_probe_waits_for_the_ready_file_generously(tmp_path):
+    assert run_probe("startupProbe", tmp_path) != 0
+    (tmp_path / "ready").touch()
+    assert run_probe("startupProbe", tmp_path) == 0
+    probe = CONTAINER["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 1800
+
+
+def shell_scripts() -> list[str]:
+    found = [ROOT / ".ci" / "run", *ROOT.glob("job/*.sh"), *ROOT.glob("scripts/**/*.sh")]
+    return [str(p.relative_to(ROOT)) for p in found if p.is_file()]
+
+
+def test_shell_scripts_are_shellcheck_clean():
+    scripts = shell_scripts()
+    assert "job/script.sh" in scripts
+    result = subprocess.run([str(VENV_BIN / "shellcheck"), "-x", *scripts], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def test_no_script_traces_commands():
+    for name in shell_scripts():
+        text = (ROOT / name).read_text()
+        assert not re.search(r"^\s*set\s+-[a-z]*x|set -o xtrace|bash -x", text, re.M), name
+
+
+def test_configmap_renders_from_job_folder_with_kubectl():
+    result = subprocess.run([str(VENV_BIN / "kubectl"), "create", "configmap", "script-configmap",
+                             f"--from-file={ROOT / 'job'}", "--dry-run=client", "-o", "yaml"],
+                            capture_output=True, text=True, check=True)
+    data = yaml.safe_load(result.stdout)["data"]
+    assert {"script.sh", "uploader.py", "restore.py", "lease.py", "s3.py", "python_env.sh"} <= set(data)
+    assert len(result.stdout.encode()) < 1 << 20, "a ConfigMap holds at most 1 MiB"
+
+
+# -- the pod's Python environment ------------------------------------------------------------------
+
+def fake_wheel(folder: Path, name: str = "tinydep", version: str = "1.0") -> Path:
+    """A real (if minimal) wheel, so pip can install it offline."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": "VALUE = 42\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = []
+    for file, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{file},sha256={digest},{len(text.encode())}")
+    files[f"{info}/RECORD"] = "\n".join(record + [f"{info}/RECORD,,"]) + "\n"
+    with zipfile.ZipFile(path, "w") as archive:
+        for file, text in files.items():
+            archive.writestr(file, text)
+    return folder
+
+
+def python_env(work: Path, *requirements: Path, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", **env}
+    return subprocess.run(["bash", str(ROOT / "job" / "python_env.sh"), str(work), *map(str, requirements)],
+                          capture_output=True, text=True, env=full)
+
+
+def test_image_python_is_used_as_is_when_it_has_every_requirement(tmp_path):
+    result = python_env(tmp_path, ROOT / "code" / "requirements.txt", ROOT / "job" / "requirements.txt")
+    assert result.returncode == 0, result.stderr
+    assert "nothing to install" in result.stderr
+    assert Path(result.stdout.strip()).name.startswith("python3")
+    assert not list(tmp_path.glob(".venv-*"))
+
+
+def test_missing_requirement_goes_into_a_cached_venv_that_still_sees_torch(tmp_path):
+    wheels = fake_wheel(tmp_path / "wheels")
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("torch>=2.4\ntinydep==1.0\n")
+    offline = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheels)}
+    first = python_env(tmp_path / "work", requirements, **offline)
+    assert first.returncode == 0, first.stderr
+    python = first.stdout.strip()
+    assert ".venv-" in python and "installed what was missing" in first.stderr
+    check = subprocess.run([python, "-c", "import tinydep, torch; print(tinydep.VALUE)"], capture_output=True, text=True)
+    assert check.stdout.strip() == "42", check.stderr
+    second = python_env(tmp_path / "work", requirements, **offline)
+    assert second.stdout.strip() == python and "reusing" in second.stderr
+
+
+def test_requirements_that_cannot_install_exit_64_with_one_line(tmp_path):
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("no-such-package-anywhere==9.9\n")
+    result = python_env(tmp_path / "work", requirements, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(tmp_path))
+    assert result.returncode == 64
+    errors = [l for l in result.stderr.splitlines() if "error:" in l]
+    assert len(errors) == 1 and "cannot be installed" in errors[0] and "fix requirements.txt" in errors[0]
+    assert not list((tmp_path / "work").glob(".venv-*")), "a failed venv is not left to be reused"

@@ -1,0 +1,156 @@
+"""The real job.yaml, run by the local pod runner against the local S3: completion, SIGKILL and
+resume, graceful deletion, a finished run, an uncommitted checkpoint in S3, a hung trainer."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from pods import BUCKET, Run, scaled_job_yaml
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")]
+MAX_STEPS = 30
+
+
+@pytest.fixture
+def run(s3, s3_endpoint, tmp_path, tool_path):
+    return Run(s3, s3_endpoint, tmp_path).stage()
+
+
+@pytest.fixture(scope="module")
+def reference_sha(tmp_path_factory):
+    """The final model of an uninterrupted pod, filled in by the happy-path test."""
+    return {}
+
+
+def test_happy_path_ends_with_complete(run, reference_sha):
+    code, pod = run.run()
+    assert code == 0, pod.output
+    summary = run.json("COMPLETE")
+    assert summary["steps"] == MAX_STEPS and summary["attempts"] == 1
+    assert summary["val_loss"] < 5.5 and summary["best_val_loss"] <= summary["val_loss"]
+    keys = run.keys()
+    assert run.committed_steps() == [MAX_STEPS, MAX_STEPS - 5], "keep: 2"
+    for step in run.committed_steps():
+        assert run.verify_in_s3(f"step-{step:08d}") is None
+    assert run.verify_in_s3("best") is None
+    assert any(k.startswith("tensorboard/events.out.tfevents") for k in keys)
+    log = run.read(next(k for k in keys if k.startswith("logs/attempt-0001-"))).decode()
+    assert "torchrun --standalone --nproc_per_node=1" in log
+    assert "final upload (trainer exit 0)" in log
+    status = run.json("status.json")
+    assert status["state"] == "completed" and status["attempts"][0]["exit_code"] == 0
+    assert "lease.json" not in keys, "the lease is released on exit"
+    for phase in ("check S3 access: done in", "sync code: done in", "sync data: done in",
+                  "python environment: done in", "restore checkpoint: done in", "ready:"):
+        assert phase in pod.output
+    reference_sha["sha"] = run.model_sha(MAX_STEPS)
+
+
+@pytest.mark.parametrize("seed", [1])
+def test_sigkill_then_next_pod_resumes_from_newest_committed_step_and_completes(run, reference_sha, seed):
+    step = random.Random(seed).randint(8, MAX_STEPS - 3)
+    pod = run.start()
+    pod.wait_for(f"step {step}/{MAX_STEPS}")
+    pod.lose_node()
+    assert pod.wait() == 137
+    committed = run.committed_steps()
+    assert committed and committed[0] <= step and "COMPLETE" not in run.keys()
+    for s in committed:
+        assert run.verify_in_s3(f"step-{s:08d}") is None, "S3 shows only whole checkpoints as committed"
+    code, second = run.run()
+    assert code == 0, second.output
+    assert f"resumed from step-{committed[0]:08d}" in second.output
+    assert run.json("COMPLETE")["attempts"] == 2
+    attempts = run.json("status.json")["attempts"]
+    assert attempts[0]["lost"] and attempts[1]["exit_code"] == 0
+    if "sha" in reference_sha:
+        assert run.model_sha(MAX_STEPS) == reference_sha["sha"], "resume is exact"
+
+
+def test_pod_deletion_leaves_a_checkpoint_of_the_current_step_in_s3(run):
+    pod = run.start(TRAIN_ARGS="--set train.max_steps=2000 --set log.interval=1")
+    line = pod.wait_for("step 12/2000")
+    pod.delete()
+    assert pod.wait() == 143, pod.output
+    newest = run.committed_steps()[0]
+    assert newest >= 12 and newest % 5 != 0, f"the SIGTERM save, not a periodic one ({newest})"
+    assert run.verify_in_s3(f"step-{newest:08d}") is None
+    assert "got SIGTERM" in pod.output and f"SIGTERM: step {newest} finished" in pod.output
+    status = run.json("status.json")
+    assert status["state"] == "interrupted" and status["attempts"][-1]["exit_code"] == 143
+    assert "lease.json" not in run.keys()
+    assert line  # the pod was training when deleted
+
+
+def test_run_after_complete_exits_at_once_without_touching_s3(run):
+    assert run.run()[0] == 0
+    before = run.keys()
+    started = time.monotonic()
+    code, pod = run.run()
+    assert code == 0
+    assert "COMPLETE exists: this run is finished" in pod.output
+    assert "torchrun" not in pod.output
+    assert run.keys() == before
+    assert time.monotonic() - started < 30
+
+
+def test_checkpoint_in_s3_without_manifest_is_ignored(run, reference_sha):
+    assert run.run()[0] == 0
+    newest, older = run.committed_steps()
+    # As if the pod died after uploading the files of its newest checkpoint, before the manifest.
+    run.s3.delete_object(Bucket=BUCKET, Key=f"{run.prefix}checkpoints/step-{newest:08d}/manifest.json")
+    run.s3.delete_object(Bucket=BUCKET, Key=f"{run.prefix}COMPLETE")
+    code, pod = run.run()
+    assert code == 0, pod.output
+    assert f"step-{newest:08d} in S3 has no manifest.json: never committed, ignored" in pod.output
+    assert f"resumed from step-{older:08d}" in pod.output
+    assert run.committed_steps()[0] == newest and run.verify_in_s3(f"step-{newest:08d}") is None
+    if "sha" in reference_sha:
+        assert run.model_sha(MAX_STEPS) == reference_sha["sha"]
+
+
+def test_stale_heartbeat_fails_the_liveness_probe_and_kills_the_pod(run, tmp_path):
+    job = scaled_job_yaml(tmp_path, period=1, failure=2, grace=10)
+    pod = run.start(job, HEALTH_MAX_AGE_SECONDS="3", TRAIN_ARGS="--set train.max_steps=100000 --set log.interval=1")
+    pod.wait_for("step 5/100000")
+    hung = trainer_pids(pod.pid1())
+    assert hung
+    for pid in hung:
+        os.kill(pid, signal.SIGSTOP)  # a hung step: alive, no progress
+    code = pod.wait(timeout=60)
+    assert "Liveness probe failed" in pod.output
+    assert code in (137, 143), pod.output
+
+
+def trainer_pids(pid1: int) -> list[int]:
+    """The train.py workers under a pod's PID 1 (not torchrun itself)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        is_worker = any(p.endswith(b"train.py") for p in cmdline) and b"torch.distributed.run" not in cmdline
+        if is_worker and _descends_from(int(entry.name), pid1):
+            found.append(int(entry.name))
+    return found
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return False
