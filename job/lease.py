@@ -43,10 +43,12 @@ def ttl_seconds() -> float:
 
 
 class Lease:
-    def __init__(self, s3, run: Location, holder: str, ttl: float, etag: str | None = None):
+    def __init__(self, s3, run: Location, holder: str, ttl: float, etag: str | None = None,
+                 path: Path | None = None):
         self.s3, self.run, self.holder, self.ttl = s3, run, holder, ttl
         self.etag = etag
-        self.renewed = time.monotonic() if etag else 0.0
+        self.path = path  # where the current ETag is kept for the pod's next helper
+        self.renewed = 0.0  # not proven fresh until renewed
         self._lock = threading.Lock()
 
     # -- taking it -----------------------------------------------------------------------------
@@ -111,6 +113,8 @@ class Lease:
                 return False
             raise
         self.etag, self.renewed = answer["ETag"], time.monotonic()
+        if self.path:
+            self.save(self.path)
         return True
 
     # -- keeping it ----------------------------------------------------------------------------
@@ -135,8 +139,11 @@ class Lease:
     def release(self) -> None:
         """Let the next pod start at once instead of waiting for the expiry."""
         with self._lock:
+            current = self._read()
+            if current is None or current[0] != self.holder:
+                return
             try:
-                self.s3.delete_object(Bucket=self.run.bucket, Key=self.run.key(KEY), IfMatch=self.etag)
+                self.s3.delete_object(Bucket=self.run.bucket, Key=self.run.key(KEY), IfMatch=current[1])
             except botocore.exceptions.ClientError as err:
                 if s3lib.http_status(err) not in (404, 409, 412):
                     raise
@@ -147,7 +154,7 @@ class Lease:
     @classmethod
     def load(cls, s3, run: Location, path: Path) -> "Lease":
         state = json.loads(path.read_text())
-        return cls(s3, run, state["holder"], ttl_seconds(), etag=state["etag"])
+        return cls(s3, run, state["holder"], ttl_seconds(), etag=state["etag"], path=path)
 
 
 class Keeper(threading.Thread):

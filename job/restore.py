@@ -27,7 +27,7 @@ import checkpoint  # noqa: E402 - from the training code: CODE_DIR
 
 def newest_first(names: list[str]) -> list[str]:
     steps = [(checkpoint.parse_step(n), n) for n in names]
-    return [n for s, n in sorted(steps, reverse=True) if s is not None]
+    return [n for _, n in sorted(((s, n) for s, n in steps if s is not None), reverse=True)]
 
 
 def restore(s3, run: Location, out: Path) -> str | None:

@@ -117,7 +117,7 @@ start_heartbeat() {
 
 stop_heartbeat() {
   [[ -n "${HEARTBEAT_PID}" ]] || return 0
-  kill "${HEARTBEAT_PID}" 2>/dev/null || true
+  kill -KILL "${HEARTBEAT_PID}" 2>/dev/null || true  # it may have inherited an ignored TERM
   wait "${HEARTBEAT_PID}" 2>/dev/null || true
   HEARTBEAT_PID=""
 }
@@ -254,7 +254,7 @@ s3_sync_down() {
   fi
 }
 
-folder_size() { find "$1" -type f -printf '%s\n' | awk '{n++; b+=$1} END {printf "%d %d", n, b}'; }
+folder_size() { find "$1" -type f -printf '%s\n' | awk '{n++; b+=$1} END {printf "%d %d\n", n, b}'; }
 
 sync_down() {
   local what=$1 uri=$2 dest=$3 started before after files bytes ms

@@ -47,9 +47,10 @@ POLL_SECONDS = 1.0
 EXIT_LEASE_LOST = 75
 
 
-def whole_records_length(path: Path) -> int:
-    """Bytes of an event file up to its last complete TFRecord (length, crc, data, crc)."""
-    size, offset = path.stat().st_size, 0
+def whole_records_length(path: Path, offset: int = 0) -> int:
+    """Bytes of an event file up to its last complete TFRecord (length, crc, data, crc),
+    scanning on from `offset`, a record boundary found before (event files only grow)."""
+    size = path.stat().st_size
     with open(path, "rb") as file:
         while offset + 12 <= size:
             file.seek(offset)
@@ -61,9 +62,14 @@ def whole_records_length(path: Path) -> int:
     return offset
 
 
-def whole_lines_length(path: Path) -> int:
-    data = path.read_bytes()
-    return data.rfind(b"\n") + 1
+def whole_lines_length(path: Path, tail: int = 1 << 20) -> int:
+    """Bytes of a log up to its last complete line."""
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        file.seek(max(0, size - tail))
+        chunk = file.read(size - file.tell())
+    cut = chunk.rfind(b"\n")
+    return size - len(chunk) + cut + 1 if cut >= 0 else 0
 
 
 class Uploader:
@@ -76,6 +82,7 @@ class Uploader:
         self.state_dir = Path(os.environ.get("STATE_DIR", out / ".pod"))
         self.log_file = Path(os.environ["LOG_FILE"]) if os.environ.get("LOG_FILE") else None
         self.sent: dict[str, int] = {}  # bytes of each growing file already in S3
+        self.retention_checked = False
         self.remote: dict[str, dict | None] = {}  # checkpoint name -> its manifest's files in S3
         self.keeper: Keeper | None = None
         self.attempt: dict = {}
@@ -96,12 +103,13 @@ class Uploader:
         if not local:
             return
         keep = _keep_of(local[0][1])
-        for _, folder in local[:keep]:
-            self.upload_checkpoint(folder)
+        uploaded = [self.upload_checkpoint(folder) for _, folder in local[:keep]]
         best = self.out / "checkpoints" / "best"
         if checkpoint.is_committed(best):
             self.upload_checkpoint(best)
-        self.apply_retention(keep)
+        if any(uploaded) or not self.retention_checked:
+            self.apply_retention(keep)
+            self.retention_checked = True
 
     def remote_files(self, name: str) -> dict | None:
         if name not in self.remote:
@@ -109,16 +117,17 @@ class Uploader:
             self.remote[name] = manifest["files"] if manifest else None
         return self.remote[name]
 
-    def upload_checkpoint(self, folder: Path) -> None:
+    def upload_checkpoint(self, folder: Path) -> bool:
+        """True when the folder went up now; False when S3 had it already or it is gone."""
         manifest_bytes = _read_or_none(folder / checkpoint.MANIFEST)
         if manifest_bytes is None:
-            return  # pruned by the trainer meanwhile: a newer one exists
+            return False  # pruned by the trainer meanwhile: a newer one exists
         manifest = json.loads(manifest_bytes)
         if self.remote_files(folder.name) == manifest["files"]:
-            return
+            return False
         handles = _open_all(folder, manifest["files"])
         if handles is None:
-            return
+            return False
         started = time.monotonic()
         try:
             self.may_write()
@@ -138,6 +147,7 @@ class Uploader:
         took = time.monotonic() - started
         log("uploader", f"{folder.name} is in S3: {size / 1e6:.1f} MB in {took:.1f}s "
                         f"({size / 1e6 / max(took, 1e-3):.0f} MB/s), manifest last")
+        return True
 
     def _put_file(self, folder: Path, name: str, handle, manifest: dict) -> None:
         key = self.ckpts.key(folder.name, name)
@@ -208,8 +218,8 @@ class Uploader:
         events = self.out / "tensorboard"
         if events.is_dir():
             for path in sorted(p for p in events.rglob("*") if p.is_file()):
-                self._put_prefix(path, self.run.key("tensorboard", str(path.relative_to(events))),
-                                 whole_records_length(path))
+                key = self.run.key("tensorboard", str(path.relative_to(events)))
+                self._put_prefix(path, key, whole_records_length(path, self.sent.get(key, 0)))
         if self.log_file and self.log_file.is_file():
             self._put_prefix(self.log_file, self.run.key("logs", self.log_name()),
                              whole_lines_length(self.log_file))

@@ -452,6 +452,14 @@ def write_volumes(pod: Pod, pod_dir: Path) -> None:
     private_tmp = pod_dir / "tmp"
     private_tmp.mkdir()
     private_tmp.chmod(0o1777)
+    # The kubelet's /etc/hosts names the pod, so its own hostname resolves (torchrun needs it).
+    (pod_dir / "hosts").write_text(
+        "# Kubernetes-managed hosts file.\n127.0.0.1\tlocalhost\n"
+        f"::1\tlocalhost ip6-localhost ip6-loopback\n127.0.0.1\t{pod_hostname(pod)}\n")
+
+
+def pod_hostname(pod: Pod) -> str:
+    return pod.name[:63].rstrip("-.")
 
 
 def volume_source(pod: Pod, mount: Mount) -> str:
@@ -466,6 +474,8 @@ def planned_mounts(pod: Pod) -> list[tuple[str, str, str]]:
     plan = [(volume_source(pod, m), m.path, "") for m in pod.mounts]
     if "/tmp" not in targets:  # a container has its own rootfs, so its own /tmp
         plan.append(("tmp", "/tmp", ""))
+    if "/etc/hosts" not in targets:
+        plan.append(("hosts", "/etc/hosts", ""))
     if "/dev/shm" not in targets and os.path.isdir("/dev/shm"):
         plan.append(("shm", "/dev/shm", f"mode=1777,size={SHM_SIZE}"))
     return sorted(plan, key=lambda step: len(Path(step[1]).parts))
@@ -514,7 +524,7 @@ def setup_container(pod: Pod, pod_dir: Path) -> None:
         syscall_check(LIBC.unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC), "unshare")
         mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
         mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        socket.sethostname(pod.name[:63].rstrip("-."))
+        socket.sethostname(pod_hostname(pod))
         os.umask(0o022)  # a container runtime's umask, whatever the runner's
         # Relative sources resolve from this working directory even once /tmp is covered.
         os.chdir(pod_dir)

@@ -20,12 +20,14 @@ check_uri() {
 stage_code() {
   local root=$1 uri=$2 layout
   layout=$(mktemp -d)
-  trap 'rm -rf "${layout}"' RETURN
   cp "${root}"/code/*.py "${root}/code/requirements.txt" "${layout}/"
   mkdir "${layout}/config"
   cp "${root}"/config/*.yaml "${layout}/config/"
-  aws s3 sync --delete --only-show-errors "${layout}/" "${uri}"
+  local code=0
+  aws s3 sync --delete --only-show-errors "${layout}/" "${uri}" || code=$?
   echo "staged code: $(find "${layout}" -type f | wc -l) files in ${uri}"
+  rm -rf "${layout}"
+  return "${code}"
 }
 
 stage_data() {

@@ -4,6 +4,7 @@ Anything that runs in another process (the AWS CLI, the bootstrap, TensorBoard) 
 server over HTTP, as it would to S3. State is reset between tests.
 """
 
+import logging
 import os
 import sys
 import urllib.request
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "test-bucket"
 
 sys.path.insert(0, str(ROOT / "code"))
+logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs every request otherwise
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,8 @@ from helpers import ROOT, VENV_BIN, write_config, write_corpus
 
 JOB_YAML = ROOT / "job.yaml"
 BUCKET = "test-bucket"
-POD_CONFIG = {"train__max_steps": 30, "checkpoint__interval": 5, "checkpoint__keep": 2, "eval__interval": 10}
+POD_CONFIG = {"train__max_steps": 60, "checkpoint__interval": 5, "checkpoint__keep": 2, "eval__interval": 10,
+              "model__n_embd": 64, "model__block_size": 64, "train__batch_size": 16}
 
 
 class Pod:
@@ -112,7 +113,10 @@ class Run:
             "AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],
             "AWS_SECRET_ACCESS_KEY": os.environ["AWS_SECRET_ACCESS_KEY"],
             "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": self.endpoint,
-            "NPROC_PER_NODE": "1", "TRAIN_CONFIG": "config/tiny.yaml", "SYNC_INTERVAL_SECONDS": "1",
+            "NPROC_PER_NODE": "1", "TRAIN_CONFIG": "config/tiny.yaml", "SYNC_INTERVAL_SECONDS": "2",
+            # Two cores shared with the S3 server and the uploader: spinning OpenMP threads would
+            # make each step 50x slower.
+            "OMP_NUM_THREADS": "1",
             "LEASE_TTL_SECONDS": "4", "S3_RETRY_SECONDS": "60",
         }
         env.update(extra)
