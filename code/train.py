@@ -286,6 +286,7 @@ class Trainer:
         self.best_val_loss = state["best_val_loss"]
         self.best_step = state["best_step"]
         self.val_loss = state.get("val_loss")
+        self.train_loss = state.get("train_loss")
         log(f"resumed from {folder.name} (step {self.step}) in {time.monotonic() - started:.1f}s")
 
     def save(self, is_best: bool) -> None:
@@ -308,6 +309,7 @@ class Trainer:
             "best_val_loss": self.best_val_loss,
             "best_step": self.best_step,
             "val_loss": self.val_loss,
+            "train_loss": self.train_loss,
             # Batches are a pure function of (seed, step, micro-step): the data position is the step.
             "data": {"next_step": self.step + 1, "seed": self.cfg.train.seed},
             "config": self.cfg.to_dict(),
@@ -400,7 +402,7 @@ class Trainer:
             if is_best:
                 self.best_val_loss, self.best_step = self.val_loss, self.step
             if self.rt.master:
-                log(f"step {self.step}: val loss {self.val_loss:.4f} (best {self.best_val_loss:.4f} at step {self.best_step})")
+                log(f"step {self.step}: val loss {_show(self.val_loss)} (best {_show(self.best_val_loss)} at step {self.best_step})")
                 self.writer.add_scalar("val/loss", self.val_loss, self.step)
                 self.writer.flush()
         if self.step % self.cfg.checkpoint.interval == 0 or last:
@@ -436,8 +438,8 @@ class Trainer:
     def _finish(self) -> None:
         if self.rt.master:
             minutes = (time.monotonic() - self.started) / 60
-            log(f"done: step {self.step}, train loss {self.train_loss:.4f}, val loss {self.val_loss:.4f}, "
-                f"best val loss {self.best_val_loss:.4f} at step {self.best_step}, {minutes:.1f} min")
+            log(f"done: step {self.step}, train loss {_show(self.train_loss)}, val loss {_show(self.val_loss)}, "
+                f"best val loss {_show(self.best_val_loss)} at step {self.best_step}, {minutes:.1f} min")
         self.rt.barrier()
 
     # -- what a person sees ----------------------------------------------------------------------
@@ -522,6 +524,10 @@ def peak_flops(device: torch.device, override_tflops: float) -> float:
             return tflops * 1e12
     log(f"no bf16 peak known for {name!r}: set system.peak_tflops to see MFU")
     return 0.0
+
+
+def _show(value: float | None) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.4f}"
 
 
 def _finite(value: float) -> float | None:

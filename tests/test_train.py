@@ -277,3 +277,12 @@ def test_learning_rate_warms_up_then_decays_to_min_lr():
     assert lr_at(55, train) == pytest.approx(0.55)
     assert lr_at(100, train) == pytest.approx(0.1)
     assert lr_at(150, train) == pytest.approx(0.1)
+
+
+def test_restart_after_the_last_checkpoint_finishes_at_once(tmp_path, corpus, tiny_config, reference):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    code, output, _ = run_until(train_command(tiny_config, corpus, out))
+    assert code == 0, output
+    assert f"resumed from step-{MAX_STEPS:08d}" in output and f"done: step {MAX_STEPS}, train loss 3." in output
+    assert sha256(final_model(out, MAX_STEPS)) == sha256(final_model(reference, MAX_STEPS))
