@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "test-bucket"
 
 sys.path.insert(0, str(ROOT / "code"))
+sys.path.insert(0, str(ROOT / "scripts" / "lib"))
+sys.path.insert(0, str(ROOT / "scripts"))
 logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs every request otherwise
 
 

@@ -1,59 +1,17 @@
-"""Small builders the tests share: a tiny corpus, a tiny config, and a trainer run that can be
-killed when a chosen line appears."""
+"""What the trainer tests share: the trainer's command line, and a run that can be killed when a
+chosen line appears. Corpus and config builders come from scripts/lib/podlab.py."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
-CODE = ROOT / "code"
-VENV_BIN = Path(sys.executable).parent
-
-TINY_CONFIG = {
-    "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 256,
-              "dropout": 0.1, "bias": False},
-    "train": {"batch_size": 8, "grad_accum_steps": 2, "max_steps": 40, "learning_rate": 3e-3,
-              "min_lr": 3e-4, "warmup_steps": 5, "seed": 7},
-    "eval": {"interval": 10, "steps": 2},
-    "checkpoint": {"interval": 5, "keep": 2},
-    "log": {"interval": 1},
-    "system": {"dtype": "float32", "compile": False},
-}
-
-
-def write_corpus(folder: Path, documents: int = 3000, seed: int = 0) -> Path:
-    """Byte-level train.bin/val.bin of made-up sentences: enough structure to learn from."""
-    rng = random.Random(seed)
-    words = "the a cat dog runs jumps over under quick lazy brown fox sleeps eats red blue".split()
-    text = "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + "."
-                     for _ in range(documents))
-    tokens = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint16)
-    cut = int(len(tokens) * 0.9)
-    folder.mkdir(parents=True, exist_ok=True)
-    tokens[:cut].tofile(folder / "train.bin")
-    tokens[cut:].tofile(folder / "val.bin")
-    return folder
-
-
-def write_config(path: Path, **overrides) -> Path:
-    """TINY_CONFIG with `group__key=value` overrides, as YAML."""
-    cfg = yaml.safe_load(yaml.safe_dump(TINY_CONFIG))
-    for name, value in overrides.items():
-        group, key = name.split("__")
-        cfg[group][key] = value
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
+from podlab import CODE, ROOT, TINY_CONFIG, VENV_BIN, write_config, write_corpus  # noqa: F401
 
 def train_command(cfg: Path, data: Path, out: Path, nproc: int = 1, extra: tuple = ()) -> list[str]:
     args = ["--config", str(cfg), "--data_dir", str(data), "--output_dir", str(out), *extra]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pods import BUCKET, Run, scaled_job_yaml
+from podlab import BUCKET, Run, scaled_job_yaml
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")]
 MAX_STEPS = 60

@@ -1,5 +1,8 @@
-"""The real job.yaml, run by scripts/local_pod.py against the local S3: a staged run, its pods, and
-what S3 holds afterwards."""
+"""A lab for the real job.yaml: a tiny corpus and config, a run staged in a local S3, its pods run
+by scripts/local_pod.py (killed, deleted, waited for), and what S3 holds afterwards.
+
+Used by the tests and by scripts/chaos.py.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import hashlib
 import json
 import os
 import queue
+import random
 import signal
 import subprocess
 import sys
@@ -14,10 +18,51 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 
-import checkpoint
-from helpers import ROOT, VENV_BIN, write_config, write_corpus
+ROOT = Path(__file__).resolve().parents[2]
+CODE = ROOT / "code"
+VENV_BIN = Path(sys.executable).parent
+sys.path.insert(0, str(CODE))
+import checkpoint  # noqa: E402
+
+TINY_CONFIG = {
+    "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 256,
+              "dropout": 0.1, "bias": False},
+    "train": {"batch_size": 8, "grad_accum_steps": 2, "max_steps": 40, "learning_rate": 3e-3,
+              "min_lr": 3e-4, "warmup_steps": 5, "seed": 7},
+    "eval": {"interval": 10, "steps": 2},
+    "checkpoint": {"interval": 5, "keep": 2},
+    "log": {"interval": 1},
+    "system": {"dtype": "float32", "compile": False},
+}
+
+
+def write_corpus(folder: Path, documents: int = 3000, seed: int = 0) -> Path:
+    """Byte-level train.bin/val.bin of made-up sentences: enough structure to learn from."""
+    rng = random.Random(seed)
+    words = "the a cat dog runs jumps over under quick lazy brown fox sleeps eats red blue".split()
+    text = "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + "."
+                     for _ in range(documents))
+    tokens = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint16)
+    cut = int(len(tokens) * 0.9)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens[:cut].tofile(folder / "train.bin")
+    tokens[cut:].tofile(folder / "val.bin")
+    return folder
+
+
+def write_config(path: Path, **overrides) -> Path:
+    """TINY_CONFIG with `group__key=value` overrides, as YAML."""
+    cfg = yaml.safe_load(yaml.safe_dump(TINY_CONFIG))
+    for name, value in overrides.items():
+        group, key = name.split("__")
+        cfg[group][key] = value
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
 
 JOB_YAML = ROOT / "job.yaml"
 BUCKET = "test-bucket"
