@@ -54,11 +54,16 @@ class _HashingWriter:
         self._file = file
         self.sha256 = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None  # torch.save hides it behind an opaque RuntimeError
 
     def write(self, data) -> int:
         self.sha256.update(data)
         self.size += len(data)
-        return self._file.write(data)
+        try:
+            return self._file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
 
     def flush(self) -> None:
         self._file.flush()
@@ -80,9 +85,14 @@ class Staged:
             raise ValueError(f"bad checkpoint file name {name!r}")
         with open(self.path / name, "wb") as file:
             writer = _HashingWriter(file)
-            yield writer
-            file.flush()
-            os.fsync(file.fileno())
+            try:
+                yield writer
+                file.flush()
+                os.fsync(file.fileno())
+            except Exception:
+                if writer.error:  # e.g. no space left: say that, not what the serializer made of it
+                    raise writer.error from None
+                raise
         self._entries[name] = {"size": writer.size, "sha256": writer.sha256.hexdigest()}
 
     def adopt(self, name: str, entry: dict) -> None:

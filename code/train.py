@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -315,13 +316,20 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "world_size": self.rt.world_size,
         }
-        with checkpoint.stage(final) as staged:
-            with staged.open("model.pt") as file:
-                torch.save(self.raw_model.state_dict(), file)
-            self.heartbeat.beat()
-            with staged.open("state.pt") as file:
-                torch.save(state, file)
-            staged.commit(meta=self._meta())
+        try:
+            with checkpoint.stage(final) as staged:
+                with staged.open("model.pt") as file:
+                    torch.save(self.raw_model.state_dict(), file)
+                self.heartbeat.beat()
+                with staged.open("state.pt") as file:
+                    torch.save(state, file)
+                staged.commit(meta=self._meta())
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):  # the next pod would fail the same way
+                raise ConfigError(f"no space left in {self.out} for checkpoint {final.name}; give the "
+                                  f"workspace volume more room (emptyDir sizeLimit) or lower checkpoint.keep "
+                                  f"({self.cfg.checkpoint.keep})") from None
+            raise
         self.heartbeat.beat()
         checkpoint.prune(self.ckpt_root, self.cfg.checkpoint.keep)
         size = sum(p.stat().st_size for p in final.iterdir()) / 1e6

@@ -18,6 +18,7 @@ from __future__ import annotations
 import email.utils
 import json
 import os
+import random
 import sys
 import threading
 import time
@@ -167,15 +168,19 @@ class Keeper(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        while not self._stop_event.wait(self.lease.ttl / 3):
+        every = delay = self.lease.ttl / 3
+        while not self._stop_event.wait(delay):
             try:
                 self.lease.renew()
+                delay = every
             except LeaseLost as err:
                 self.lost = err
                 log("lease", f"error: {err}")
                 return
-            except Exception as err:  # noqa: BLE001 - an outage: keep trying, writes check freshness
-                log("lease", f"renewal failed ({s3lib.explain(err, self.lease.run.bucket)}); trying again")
+            except Exception as err:  # noqa: BLE001 - an outage: back off; writes check freshness
+                delay = min(60.0, delay * 2) * random.uniform(0.5, 1.0)
+                log("lease", f"renewal failed ({s3lib.explain(err, self.lease.run.bucket)}); "
+                             f"again in {delay:.0f}s")
 
     def check(self) -> None:
         """Raise LeaseLost unless this pod may write now."""

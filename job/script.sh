@@ -99,14 +99,31 @@ wait_for() {
 }
 
 # Runs a setup command as a child so SIGTERM is handled at once, not after it finishes.
+#   run_child [--output FILE] command...   (FILE takes its stdout and stderr)
+# The redirection is the child's own: an exit from a function under a redirection would run the
+# EXIT trap with that redirection still in place.
 run_child() {
-  "$@" &
+  local output=/dev/stdout
+  if [[ "$1" == --output ]]; then
+    output=$2
+    shift 2
+  fi
+  if [[ "${output}" == /dev/stdout ]]; then
+    "$@" &
+  else
+    "$@" >"${output}" 2>&1 &
+  fi
   CHILD_PID=$!
   local code=0
   wait_for "${CHILD_PID}" || code=$?
   CHILD_PID=""
   [[ -z "${STOP_SIGNAL}" ]] || exit "$(signal_exit_code)"
   return "${code}"
+}
+
+fail_with_output() {
+  cat "$2"
+  exit "$1"
 }
 
 start_heartbeat() {
@@ -227,7 +244,7 @@ s3_retry() {
   local uri=$1; shift
   local output="${STATE_DIR}/s3-command.out" deadline=$((SECONDS + S3_RETRY_SECONDS)) delay=2 attempt=1
   while true; do
-    if run_child "$@" >"${output}" 2>&1; then
+    if run_child --output "${output}" "$@"; then
       return 0
     fi
     local text reason
@@ -259,10 +276,11 @@ folder_size() { find "$1" -type f -printf '%s\n' | awk '{n++; b+=$1} END {printf
 sync_down() {
   local what=$1 uri=$2 dest=$3 started before after files bytes ms
   started=$(date +%s%3N)
-  read -r _ before < <(folder_size "${dest}")
+  before=$(folder_size "${dest}")
   s3_sync_down "${uri}" "${dest}"
-  read -r files after < <(folder_size "${dest}")
-  bytes=$((after - before))
+  after=$(folder_size "${dest}")
+  files=${after% *}
+  bytes=$((${after#* } - ${before#* }))
   ms=$(($(date +%s%3N) - started + 1))
   log "${what}: ${files} files in ${dest}, $(awk -v b="${bytes}" -v ms="${ms}" 'BEGIN {printf "%.1f MB fetched at %.1f MB/s", b/1e6, b/1e3/ms}')"
 }
@@ -322,7 +340,10 @@ sync_data() {
 setup_python() {
   local requirements=("${JOB_DIR}/requirements.txt")
   [[ ! -f "${CODE_DIR}/requirements.txt" ]] || requirements+=("${CODE_DIR}/requirements.txt")
-  run_child bash "${JOB_DIR}/python_env.sh" "${WORK_DIR}" "${requirements[@]}" >"${STATE_DIR}/python"
+  run_child --output "${STATE_DIR}/python-env.out" bash "${JOB_DIR}/python_env.sh" "${WORK_DIR}" "${requirements[@]}" ||
+    fail_with_output $? "${STATE_DIR}/python-env.out"
+  grep -v '^[0-9T:-]*Z python_env: ' "${STATE_DIR}/python-env.out" | tail -n 1 >"${STATE_DIR}/python"
+  grep '^[0-9T:-]*Z python_env: ' "${STATE_DIR}/python-env.out" || true
   PYTHON=$(cat "${STATE_DIR}/python")
   log "python: ${PYTHON} ($("${PYTHON}" -c 'import sys, torch; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}")'))"
 }
@@ -407,7 +428,8 @@ finish() {
   log "exit ${code} after $(elapsed_since "${STARTED_MS}")"
   # When PID 1 exits every other process in the container dies: let tee write its last lines first.
   exec >&- 2>&-
-  [[ -z "${TEE_PID}" ]] || wait "${TEE_PID}" 2>/dev/null || true
+  local tries=0
+  while [[ -n "${TEE_PID}" ]] && kill -0 "${TEE_PID}" 2>/dev/null && ((tries++ < 50)); do sleep 0.1; done
   exit "${code}"
 }
 

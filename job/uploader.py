@@ -290,6 +290,7 @@ class Uploader:
                    "attempts": len(self.attempts), "wall_seconds": round(seconds, 1),
                    "completed_at": time.time(), "pod": self.attempt["pod"]}
         self.may_write()
+        log("uploader", "writing COMPLETE...")
         s3lib.put_json(self.s3, self.run, self.run.key("COMPLETE"), summary, self.retry)
         log("uploader", f"wrote {self.run}COMPLETE: {json.dumps(summary)}")
         return True

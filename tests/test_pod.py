@@ -128,14 +128,15 @@ def test_checkpoint_in_s3_without_manifest_is_ignored(run, reference_sha):
 
 def test_stale_heartbeat_fails_the_liveness_probe_and_kills_the_pod(run, tmp_path):
     job = scaled_job_yaml(tmp_path, period=1, failure=2, grace=10)
-    pod = run.start(job, HEALTH_MAX_AGE_SECONDS="3", TRAIN_ARGS="--set train.max_steps=100000 --set log.interval=1")
+    pod = run.start(job, HEALTH_MAX_AGE_SECONDS="8", TRAIN_ARGS="--set train.max_steps=100000 --set log.interval=1")
     pod.wait_for("step 5/100000")
     hung = trainer_pids(pod.pid1())
     assert hung
+    assert "Liveness probe failed" not in pod.output, "a training pod with a fresh heartbeat must live"
     for pid in hung:
         os.kill(pid, signal.SIGSTOP)  # a hung step: alive, no progress
-    code = pod.wait(timeout=60)
-    assert "Liveness probe failed" in pod.output
+    code = pod.wait(timeout=90)
+    assert "Liveness probe failed (2/2)" in pod.output
     assert code in (137, 143), pod.output
 
 

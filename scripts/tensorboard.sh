@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# TensorBoard on a run's event files in S3, live, while the run trains:
+#
+#   scripts/tensorboard.sh s3://bucket/gpt/runs/my-run/ [tensorboard args...]   # one run
+#   scripts/tensorboard.sh s3://bucket/gpt/runs/ [--port 6007] [--reload_interval 10]   # every run
+#
+# One run (the URI holds tensorboard/, status.json or checkpoints/) shows as NAME/tensorboard; a
+# prefix of runs shows them side by side, each as RUN/tensorboard, and runs that start later appear
+# by themselves. The pod uploads event files every SYNC_INTERVAL_SECONDS and TensorBoard re-reads
+# them every --reload_interval (5 s by default), so new points show up without a restart.
+#
+# Serves on 127.0.0.1 unless --host or --bind_all is given; reads S3 with --load_fast=false (the
+# Rust data server reads only local and gs:// paths). Other arguments go to tensorboard as they are.
+#
+# S3 through boto3's usual credentials. An S3-compatible store: AWS_ENDPOINT_URL, or S3_ENDPOINT,
+# which TensorBoard itself reads and which wins; it must start with http:// or https://. Without
+# its scheme TensorBoard's loader thread dies at the first read and serves empty pages forever, so
+# this script refuses it.
+#
+# Exit codes: 64 bad input (URI, endpoint, missing bucket, nothing there, no tensorboard), 75 S3
+# unreachable; else tensorboard's own.
+set -o errexit -o nounset -o pipefail
+
+readonly EXIT_BAD_INPUT=64
+readonly EXIT_UNAVAILABLE=75
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+readonly ROOT
+
+say() { echo "tensorboard.sh: $*" >&2; }
+die() {
+  local code=$1; shift
+  say "error: $*"
+  exit "${code}"
+}
+
+check_uri() {
+  [[ "$1" =~ ^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$ ]] ||
+    die "${EXIT_BAD_INPUT}" "$1 is not an s3://bucket/prefix/ URI; give a run's folder or the folder of its runs"
+  [[ "$1" == */ ]] && echo "$1" || echo "$1/"
+}
+
+# Prints the endpoint TensorBoard will use (S3_ENDPOINT wins, as in its S3 reader), or nothing.
+check_endpoint() {
+  local name value
+  for name in S3_ENDPOINT AWS_ENDPOINT_URL; do
+    value=${!name:-}
+    [[ -n "${value}" ]] || continue
+    [[ "${value}" =~ ^https?://[^/]+ ]] ||
+      die "${EXIT_BAD_INPUT}" "${name}=${value} has no http:// or https:// scheme (TensorBoard would show empty pages); give it as http://${value#*://}"
+    echo "${value}"
+    return 0
+  done
+}
+
+# The venv's tools when they are not on PATH (./scripts/test.sh makes .venv).
+find_tool() {
+  if command -v "$1" >/dev/null 2>&1; then
+    command -v "$1"
+  elif [[ -x "${ROOT}/.venv/bin/$1" ]]; then
+    echo "${ROOT}/.venv/bin/$1"
+  else
+    die "${EXIT_BAD_INPUT}" "$1 not found; run ./scripts/test.sh once (it makes .venv) or pip install tensorboard boto3 awscli"
+  fi
+}
+
+# Every key under the URI (relative to it), one a line; dies with one line on S3 errors.
+list_keys() {
+  local uri=$1 endpoint=$2 aws output code=0
+  aws=$(find_tool aws)
+  local -a args=(s3 ls --recursive "${uri}")
+  [[ -z "${endpoint}" ]] || args=(--endpoint-url "${endpoint}" "${args[@]}")
+  # Few retries: an unreachable store should say so within seconds.
+  output=$(AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS=2 "${aws}" "${args[@]}" 2>&1) || code=$?
+  case "${code}:${output}" in
+    0:*) awk -v prefix="${uri#s3://*/}" '{ key = substr($0, index($0, $4)); print substr(key, length(prefix) + 1) }' <<<"${output}" ;;
+    1:) ;;  # nothing under the prefix
+    *NoSuchBucket*) die "${EXIT_BAD_INPUT}" "bucket $(bucket_of "${uri}") does not exist; fix the URI (or the endpoint, if it names another store)" ;;
+    *AccessDenied* | *Forbidden*) die "${EXIT_BAD_INPUT}" "access to ${uri} denied; these credentials need s3:ListBucket and s3:GetObject there" ;;
+    *"Unable to locate credentials"*) die "${EXIT_BAD_INPUT}" "no AWS credentials found; set AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" ;;
+    *InvalidAccessKeyId* | *SignatureDoesNotMatch* | *ExpiredToken*) die "${EXIT_BAD_INPUT}" "S3 refused the AWS credentials; renew or fix them" ;;
+    *"Could not connect"* | *"Connect timeout"* | *"Read timeout"* | *"(5"[0-9][0-9]")"*)
+      die "${EXIT_UNAVAILABLE}" "S3 unreachable at ${endpoint:-AWS S3}: $(tail -n 1 <<<"${output}")" ;;
+    *) die "${EXIT_BAD_INPUT}" "cannot list ${uri}: $(tail -n 1 <<<"${output}")" ;;
+  esac
+}
+
+bucket_of() { local rest=${1#s3://}; echo "${rest%%/*}"; }
+
+# What --logdir or --logdir_spec TensorBoard gets for the URI, as arguments, one a line.
+logdir_args() {
+  local uri=$1 keys=$2 name runs
+  if grep -qE '^(tensorboard|checkpoints)/|^status\.json$' <<<"${keys}"; then
+    name=$(basename "${uri%/}")
+    # The run's folder under its name: TensorBoard calls it NAME/tensorboard, as with a prefix
+    # of runs (on tensorboard/ itself it would be "."). Colons and commas separate in a spec.
+    [[ "${name}" != *[:,]* ]] || name=run
+    say "run ${name}: ${uri}tensorboard/"
+    printf '%s\n' "--logdir_spec=${name}:${uri}"
+    return 0
+  fi
+  runs=$(sed -nE 's#^(.+)/tensorboard/[^/]*tfevents[^/]*$#\1#p' <<<"${keys}" | sort -u | paste -sd ' ' -)
+  say "runs under ${uri}: ${runs:-none with event files yet} (runs that start later show up too)"
+  printf '%s\n' "--logdir=${uri}"
+}
+
+has_option() {
+  local wanted=$1 arg; shift
+  for arg in "$@"; do
+    [[ "${arg}" != "${wanted}" && "${arg}" != "${wanted}="* ]] || return 0
+  done
+  return 1
+}
+
+main() {
+  [[ $# -ge 1 && "$1" != -* ]] || die "${EXIT_BAD_INPUT}" "usage: scripts/tensorboard.sh S3_URI [tensorboard args...]"
+  local uri endpoint keys tensorboard
+  uri=$(check_uri "$1")
+  shift
+  endpoint=$(check_endpoint)
+  tensorboard=$(find_tool tensorboard)
+  keys=$(list_keys "${uri}" "${endpoint}")
+  [[ -n "${keys}" ]] || die "${EXIT_BAD_INPUT}" "nothing under ${uri}; check the URI (a run's folder, or the folder of its runs)"
+
+  local -a args
+  mapfile -t args < <(logdir_args "${uri}" "${keys}")
+  has_option --host "$@" || has_option --bind_all "$@" || args+=(--host 127.0.0.1)
+  has_option --load_fast "$@" || args+=(--load_fast=false)
+  if [[ -n "${endpoint}" ]]; then
+    export S3_ENDPOINT=${endpoint}
+    say "S3 endpoint ${endpoint}"
+  fi
+  exec "${tensorboard}" "${args[@]}" "$@"
+}
+
+main "$@"

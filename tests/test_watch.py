@@ -1,0 +1,449 @@
+"""Watching runs: scripts/status.py and scripts/tensorboard.sh on what the real job.yaml's pods
+(through the local pod runner) leave in the local S3, with a real TensorBoard queried over HTTP.
+
+Pods are few, so the module tells one story: a run trained to the end ("done"), then a long run
+("live") watched while it trains (status.py says running; TensorBoard shows its points as they
+come, and the lag is measured) and deleted (interrupted). "crashed" and "stalled" are copies of the
+live run whose real status.json is edited as dead pods leave it: failed (exit 1 after a lost
+attempt) and stale (still "running", heartbeat an hour old). "misconfigured" is a real failure: its
+trainer rejects a setting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import boto3
+import pytest
+
+from podlab import BUCKET, ROOT, Run, tool_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")]
+
+STATUS = ROOT / "scripts" / "status.py"
+TENSORBOARD = ROOT / "scripts" / "tensorboard.sh"
+RUNS = f"s3://{BUCKET}/runs/"
+LIVE_MAX_STEPS = 100000
+# Checkpoints and evals rarely: two cores serve the trainer, the uploader, the S3 and TensorBoard.
+LIVE_ARGS = f"--set train.max_steps={LIVE_MAX_STEPS} --set checkpoint.interval=50 --set eval.interval=50"
+MEASURE_SECONDS = 24
+SETTLE_SECONDS = 10  # steps logged this close to the window's end may not be served within it
+STEP_LINE = re.compile(r"train: step (\d+)/\d+ \| loss ([0-9.]+)")
+HOUR = 3600
+
+
+# -- the lab: a local S3 for the whole module ------------------------------------------------------
+
+@dataclass
+class Lab:
+    s3: object
+    endpoint: str
+    folder: Path
+
+
+@pytest.fixture(scope="module")
+def lab(s3_endpoint, tmp_path_factory):
+    """The local S3, reset once for this module (the `s3` fixture resets it for every test)."""
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_endpoint}.items():
+            env.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+                     "S3_ENDPOINT"):
+            env.delenv(name, raising=False)
+        env.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        urllib.request.urlopen(urllib.request.Request(f"{s3_endpoint}/moto-api/reset", method="POST")).close()
+        s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+        s3.create_bucket(Bucket=BUCKET)
+        yield Lab(s3, s3_endpoint, tmp_path_factory.mktemp("watch"))
+
+
+@pytest.fixture(scope="module")
+def done(lab):
+    """A run one pod trained to the end; beside it, a run whose trainer rejects its settings (it
+    exits 64 after the pod took the lease, so the uploader reports it failed)."""
+    run = Run(lab.s3, lab.endpoint, lab.folder / "done", name="done").stage()
+    (lab.folder / "misconfigured").mkdir()
+    misconfigured = Run(lab.s3, lab.endpoint, lab.folder / "misconfigured", name="misconfigured")
+    failing = misconfigured.start(TRAIN_ARGS="--set train.max_steps=many")
+    code, pod = run.run()
+    assert code == 0, pod.output
+    assert failing.wait() == 64, failing.output
+    return run
+
+
+# -- the live run, watched while it trains ----------------------------------------------------------
+
+@dataclass
+class Watch:
+    run: Run
+    logged: dict[int, tuple[float, float]]  # step -> (when its log line came, loss)
+    served_at: dict[int, float]  # step -> when TensorBoard first served it
+    first_served: set[int]  # what TensorBoard served on its first answer
+    final_served: dict[int, float]  # step -> loss, once the pod had ended
+    lags: list[float]
+    exit_code: int
+    status_json: list[dict]
+    status_detail: str
+    status_stale_now: list[dict]
+    tensorboard_runs: list[str]
+    pod_output: str = field(repr=False)
+
+
+class StepClock:
+    """When each `step N/M | loss X` line of a pod's output came (polled every 20 ms)."""
+
+    def __init__(self, pod):
+        self.pod = pod
+        self.logged: dict[int, tuple[float, float]] = {}
+        self._seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self._scan()
+            self._stop.wait(0.02)
+
+    def _scan(self) -> None:
+        lines = self.pod.lines
+        while self._seen < len(lines):
+            match = STEP_LINE.search(lines[self._seen])
+            if match:
+                self.logged.setdefault(int(match[1]), (time.monotonic(), float(match[2])))
+            self._seen += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._scan()
+
+
+class TensorBoard:
+    """scripts/tensorboard.sh as a process, and TensorBoard's HTTP API."""
+
+    def __init__(self, uri: str, *args: str, env: dict | None = None):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([str(TENSORBOARD), uri, "--port", str(self.port), *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env or tool_env())
+        self.output: list[str] = []
+        threading.Thread(target=lambda: self.output.extend(self.proc.stdout), daemon=True).start()
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.base + path, timeout=10) as answer:
+            return json.load(answer)
+
+    def runs(self) -> list[str]:
+        return self.get("/data/runs")
+
+    def scalars(self, run: str, tag: str) -> dict[int, float]:
+        query = urllib.parse.urlencode({"run": run, "tag": tag})
+        try:
+            return {step: value for _, step, value in self.get(f"/data/plugin/scalars/scalars?{query}")}
+        except urllib.error.HTTPError:  # the run or tag is not loaded yet
+            return {}
+
+    def wait_for_runs(self, *names: str, timeout: float = 60) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "".join(self.output)
+            try:
+                runs = self.runs()
+                if set(names) <= set(runs):
+                    return runs
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.25)
+        raise AssertionError(f"TensorBoard shows no {names}; output:\n{''.join(self.output)}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)  # the script exec'd tensorboard: this is its PID
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def watched(lab, done):
+    """The live run: TensorBoard follows it while it trains, then the pod is deleted."""
+    (lab.folder / "live").mkdir()
+    run = Run(lab.s3, lab.endpoint, lab.folder / "live", name="live")  # code and data: done's
+    pod = run.start(TRAIN_ARGS=LIVE_ARGS)
+    clock = None
+    board = None
+    try:
+        pod.wait_for(f"step 5/{LIVE_MAX_STEPS}")
+        clock = StepClock(pod)
+        board = TensorBoard(run.output_uri, "--reload_interval", "1", "--samples_per_plugin", "scalars=100000")
+        board.wait_for_runs("live/tensorboard")
+        served_at, first_served = follow(board, "live/tensorboard", MEASURE_SECONDS)
+        ready = min(served_at.values())
+        window_end = ready + MEASURE_SECONDS
+        measured = [s for s, (at, _) in clock.logged.items() if ready + 1 <= at <= window_end - SETTLE_SECONDS]
+        lags = [served_at.get(s, window_end) - clock.logged[s][0] for s in measured]
+        status_json = status_of(RUNS, "--json")
+        status_detail = status_of(run.output_uri)
+        stale_now = status_of(RUNS, "--json", "--stale-after", "0")
+        pod.delete()
+        exit_code = pod.wait()
+        pod.wait_for("local_pod: exit code")  # its output is read to the end
+        clock.stop()
+        final = wait_for_step(board, "live/tensorboard", max(clock.logged))
+        return Watch(run, clock.logged, served_at, first_served, final, lags, exit_code, status_json,
+                     status_detail, stale_now, board.runs(), pod.output)
+    finally:
+        if clock:
+            clock.stop()
+        if board:
+            board.stop()
+        if pod.proc.poll() is None:
+            pod.delete()
+            pod.wait()
+
+
+def follow(board: TensorBoard, run: str, seconds: float) -> tuple[dict[int, float], set[int]]:
+    """When each step first appeared in TensorBoard (polled 4 times a second), from its first
+    answer with points for `seconds`; and the steps of that first answer."""
+    served_at: dict[int, float] = {}
+    first: set[int] = set()
+    end = None
+    give_up = time.monotonic() + 60
+    while end is None or time.monotonic() < end:
+        now = time.monotonic()
+        assert end or now < give_up, f"TensorBoard served no train/loss of {run}:\n{''.join(board.output)}"
+        steps = board.scalars(run, "train/loss")
+        for step in steps:
+            served_at.setdefault(step, now)
+        if steps and end is None:
+            first, end = set(steps), now + seconds
+        time.sleep(0.25)
+    return served_at, first
+
+
+def wait_for_step(board: TensorBoard, run: str, step: int, timeout: float = 30) -> dict[int, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        served = board.scalars(run, "train/loss")
+        if served and max(served) >= step:
+            return served
+        assert time.monotonic() < deadline, f"TensorBoard never showed step {step} of {run}"
+        time.sleep(0.5)
+
+
+def test_tensorboard_serves_every_train_loss_step_the_trainer_logged(watched):
+    assert watched.exit_code == 143, watched.pod_output[-3000:]
+    logged = {step: loss for step, (_, loss) in watched.logged.items()}
+    assert len(logged) > 100
+    assert sorted(watched.final_served) == sorted(logged), "every logged step, none else"
+    for step, loss in logged.items():
+        assert watched.final_served[step] == pytest.approx(loss, abs=6e-5), f"step {step}"
+    assert watched.tensorboard_runs == ["live/tensorboard"], "one run, under its name"
+
+
+def test_points_logged_later_appear_without_restarting_tensorboard(watched):
+    later = set(watched.final_served) - watched.first_served
+    assert watched.first_served and len(later) > 100
+    assert min(later) > max(watched.first_served)
+
+
+def test_tensorboard_lag_from_trainer_log_line_to_served_point(watched):
+    lags = sorted(watched.lags)
+    assert len(lags) > 50, "steps measured"
+    median, p90 = statistics.median(lags), lags[int(0.9 * (len(lags) - 1))]
+    print(f"\nTensorBoard lag (SYNC_INTERVAL_SECONDS=2, --reload_interval 1, {len(lags)} steps): "
+          f"median {median:.1f}s, p90 {p90:.1f}s, min {lags[0]:.1f}s, max {lags[-1]:.1f}s")
+    assert median < 15, "generous: the pod uploads every 2 s, TensorBoard reloads every 1 s"
+
+
+def test_status_shows_a_training_pod_as_running(watched):
+    by_name = {row["run"]: row for row in watched.status_json}
+    live = by_name["live"]
+    assert live["state"] == "running" and live["attempts"] == 1
+    assert live["max_steps"] == LIVE_MAX_STEPS and live["committed_step"] >= 50
+    assert live["heartbeat_age_seconds"] < 60
+    assert by_name["done"]["state"] == "completed"
+    assert "live" in watched.status_detail and re.search(r"^1 .* running .*\d+→\d+$", watched.status_detail, re.M)
+    assert {row["run"]: row["state"] for row in watched.status_stale_now}["live"] == "stale", "--stale-after 0"
+
+
+# -- every state, after the live run ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def states(lab, watched):
+    """crashed and stalled: the live run copied, its real status.json edited as dead pods leave it."""
+    status = watched.run.json("status.json")
+    crashed = json.loads(json.dumps(status))
+    lost = dict(crashed["attempts"][0], attempt=1, lost=True, exit_code=None)
+    lost["ended_at"] = lost["heartbeat_at"]
+    failing = dict(crashed["attempts"][0], attempt=2, pod="gpt-train-crash", exit_code=1,
+                   started_at=lost["ended_at"] + 5, ended_at=lost["ended_at"] + 65, start_step=lost["end_step"])
+    crashed.update(state="failed", attempt=2, pod="gpt-train-crash", attempts=[lost, failing])
+    stalled = json.loads(json.dumps(status))
+    stalled.update(state="running", heartbeat_at=status["heartbeat_at"] - HOUR)
+    stalled["attempts"][-1].update(ended_at=None, exit_code=None, heartbeat_at=stalled["heartbeat_at"])
+    for name, edited in (("crashed", crashed), ("stalled", stalled)):
+        for key in watched.run.keys():
+            lab.s3.copy_object(Bucket=BUCKET, Key=f"runs/{name}/{key}",
+                               CopySource={"Bucket": BUCKET, "Key": f"{watched.run.prefix}{key}"})
+        lab.s3.put_object(Bucket=BUCKET, Key=f"runs/{name}/status.json", Body=json.dumps(edited).encode())
+    return {"done": "completed", "crashed": "failed", "live": "interrupted", "misconfigured": "failed",
+            "stalled": "stale"}
+
+
+def test_status_table_shows_each_runs_state_sorted_by_name(states, done, watched):
+    result = run_status(RUNS)
+    assert result.returncode == 0, result.stderr
+    print("\n" + result.stdout)
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == ["RUN", "STATE", "STEP", "BEST", "VAL", "ATTEMPTS", "HEARTBEAT", "SIZE"]
+    cells = {row.split()[0]: row.split() for row in rows}
+    assert [row.split()[0] for row in rows] == sorted(states)
+    assert {name: cell[1] for name, cell in cells.items()} == states
+    assert cells["done"][2] == "60/60" and cells["done"][4] == "1"
+    assert cells["live"][2] == f"{watched.run.committed_steps()[0]}/{LIVE_MAX_STEPS}"
+    assert cells["stalled"][5:7] == ["1h", "ago"] and cells["crashed"][4] == "2"
+    assert cells["done"][8] == "MB"
+    assert cells["misconfigured"][2:4] == ["-", "-"], "no step committed, no loss"
+
+
+def test_status_json_gives_the_same_for_machines(states, done):
+    result = run_status(RUNS, "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["run"] for r in rows] == sorted(states)
+    assert {r["run"]: r["state"] for r in rows} == states
+    row = rows[0]
+    assert row["run"] == "crashed" and row["uri"] == f"{RUNS}crashed/"
+    listed = done.s3.list_objects_v2(Bucket=BUCKET, Prefix="runs/done/")["Contents"]
+    done_row = next(r for r in rows if r["run"] == "done")
+    assert done_row["size_bytes"] == sum(o["Size"] for o in listed)
+    assert done_row["committed_step"] == done.committed_steps()[0] == 60
+    assert done_row["best_val_loss"] == done.json("COMPLETE")["best_val_loss"]
+
+
+def test_status_of_one_run_shows_each_attempt(states, done):
+    result = run_status(f"{RUNS}crashed")
+    assert result.returncode == 0, result.stderr
+    print("\n" + result.stdout)
+    assert result.stdout.splitlines()[1].split()[:2] == ["crashed", "failed"]
+    first, second = attempt_rows(result.stdout)
+    assert first.split()[0] == "1" and " lost " in first
+    assert re.match(r"2 +gpt-train-crash .* 1m +1 +(\d+)→\1$", second)
+    misconfigured = run_status(f"{RUNS}misconfigured")
+    (only,) = attempt_rows(misconfigured.stdout)
+    assert re.match(r"1 +gpt-train-\w+ .* 64 +\?→\?$", only), "exit 64 before any step"
+    detail = json.loads(run_status(done.output_uri, "--json").stdout)
+    assert detail["state"] == "completed" and detail["attempt_history"][0]["exit_code"] == 0
+
+
+def attempt_rows(detail: str) -> list[str]:
+    lines = detail.splitlines()
+    return lines[next(i for i, line in enumerate(lines) if line.startswith("ATTEMPT")) + 1:]
+
+
+def test_status_plot_draws_every_runs_loss_curves_into_a_png(states, tmp_path):
+    png = tmp_path / "loss.png"
+    result = run_status(RUNS, "--plot", str(png))
+    assert result.returncode == 0, result.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20000
+    assert "loss curves of 4 run(s)" in result.stderr, "misconfigured never logged a step"
+    assert "misconfigured: no loss in TensorBoard event files yet" in result.stderr
+
+
+def test_plot_counts_a_step_redone_after_a_restart_once(tmp_path):
+    """Two pods' event files as the trainer writes them: the second resumed from step 5 and its
+    purge_step hides the steps 6..8 the first logged; they count with the second's values."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    import status
+
+    for purge, steps, offset in ((None, range(1, 9), 0.0), (6, range(6, 11), 100.0)):
+        writer = SummaryWriter(str(tmp_path), purge_step=purge, filename_suffix=f".{offset:.0f}")
+        for step in steps:
+            writer.add_scalar("train/loss", offset + step, step)
+        writer.close()
+        if purge is None:
+            time.sleep(1.1)  # event file names carry the second they were opened: the order of pods
+    steps, values = status.loss_curves(tmp_path)["train/loss"]
+    assert steps == list(range(1, 11))
+    assert values == [1, 2, 3, 4, 5, 106, 107, 108, 109, 110]
+
+
+@pytest.mark.parametrize("uri, cause", [
+    ("runs/", "is not an s3://bucket/prefix/ URI"),
+    ("s3://no-such-bucket/runs/", "bucket no-such-bucket does not exist"),
+    (f"s3://{BUCKET}/nothing-here/", "nothing under"),
+    (f"s3://{BUCKET}/code/", "but no run (no status.json, no checkpoints/)"),
+])
+def test_status_names_bad_input_in_one_line_and_exits_64(lab, uri, cause):
+    result = run_status(uri)
+    assert result.returncode == 64 and result.stdout == ""
+    assert cause in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "testing" not in result.stderr, "credentials are never printed"
+
+
+def test_status_exits_75_when_s3_is_unreachable(lab):
+    result = run_status(RUNS, env={**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"})
+    assert result.returncode == 75
+    assert "S3 unreachable" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# -- tensorboard.sh ----------------------------------------------------------------------------------
+
+def test_tensorboard_on_a_prefix_shows_each_run_by_name(states, lab):
+    env = {k: v for k, v in tool_env().items() if k != "AWS_ENDPOINT_URL"}
+    env["S3_ENDPOINT"] = lab.endpoint  # TensorBoard's own variable works as well
+    board = TensorBoard(RUNS, "--reload_interval", "1", env=env)
+    try:
+        names = [f"{name}/tensorboard" for name in states if name != "misconfigured"]
+        assert sorted(board.wait_for_runs(*names)) == sorted(names)
+        assert "train/loss" in board.get("/data/plugin/scalars/tags")["done/tensorboard"]
+    finally:
+        board.stop()
+
+
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "S3_ENDPOINT"])
+def test_tensorboard_refuses_an_endpoint_without_its_scheme(lab, variable):
+    env = {**tool_env(), variable: lab.endpoint.removeprefix("http://")}
+    result = subprocess.run([str(TENSORBOARD), RUNS], capture_output=True, text=True, env=env, timeout=30)
+    assert result.returncode == 64
+    assert result.stderr.count("\n") == 1 and f"{variable}=127.0.0.1:" in result.stderr
+    assert "no http:// or https:// scheme" in result.stderr
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+def run_status(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(STATUS), *args], capture_output=True, text=True,
+                          env=env or dict(os.environ), timeout=60)
+
+
+def status_of(*args: str):
+    result = run_status(*args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout) if "--json" in args else result.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
