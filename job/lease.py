@@ -57,22 +57,30 @@ class Lease:
     def acquire(self, wait_seconds: float) -> bool:
         """Block until this pod holds the lease (True) or the run is COMPLETE (False)."""
         retry = s3lib.retrying("lease", self.run.bucket, name="lease")
+        self._take(retry, wait_seconds)
+        # The pod before may have finished the run and let the lease go just now.
+        if retry(self._complete):
+            self.release()
+            return False
+        return True
+
+    def _take(self, retry, wait_seconds: float) -> None:
         deadline = time.monotonic() + wait_seconds
         while True:
             current = retry(self._read)
             if current is None and retry(self._put, if_none_match=True):
-                return True
+                return
             if current is not None:
                 owner, etag, age = current
                 if owner == self.holder:  # our write landed though its answer was lost
                     self.etag, self.renewed = etag, time.monotonic()
-                    return True
+                    return
                 if age > self.ttl and retry(self._put, if_match=etag):
                     log("lease", f"took over the lease of {owner}, expired {age - self.ttl:.0f}s ago")
-                    return True
+                    return
                 if age <= self.ttl:
                     if retry(self._complete):
-                        return False
+                        return
                     if time.monotonic() > deadline:
                         raise s3lib.Unavailable(f"another pod ({owner}) holds the lease on {self.run} "
                                                 f"(renewed {age:.0f}s ago); gave up after {wait_seconds:.0f}s")

@@ -22,6 +22,8 @@ States:
     incomplete   the last pod ended with 0 but COMPLETE is missing; the next pod writes it
     unknown      checkpoints but no status.json (a run the uploader never reported)
 
+--json prints a list of runs with the same fields (one object, with attempt_history, for one run).
+
 --plot reads the TensorBoard event files of the runs (steps that a restarted pod redid count
 once, as in TensorBoard) and draws train/loss (lines) and val/loss (dots) per run.
 
@@ -87,20 +89,24 @@ def make_client():
         raise BadInput(f"AWS_ENDPOINT_URL={endpoint} is not a URL ({err}); "
                        "give it with its scheme, e.g. http://127.0.0.1:9000") from None
     except botocore.exceptions.BotoCoreError as err:
-        raise BadInput(f"cannot make an S3 client: {err}; check AWS_ENDPOINT_URL and AWS_DEFAULT_REGION") from None
+        raise BadInput(f"cannot make an S3 client: {err}; check AWS_ENDPOINT_URL and "
+                       "AWS_DEFAULT_REGION") from None
 
 
 def explained(err: Exception, bucket: str) -> Exception:
     """The error as BadInput or Unavailable, with one line that names the cause and the fix."""
     if isinstance(err, botocore.exceptions.NoCredentialsError):
-        return BadInput("no AWS credentials found; set AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+        return BadInput("no AWS credentials found; set AWS_PROFILE, or AWS_ACCESS_KEY_ID and "
+                        "AWS_SECRET_ACCESS_KEY")
     if isinstance(err, botocore.exceptions.ClientError):
         code = str(err.response.get("Error", {}).get("Code", ""))
         status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
         if code == "NoSuchBucket":
-            return BadInput(f"bucket {bucket} does not exist; fix the URI (or AWS_ENDPOINT_URL, if it names another store)")
+            return BadInput(f"bucket {bucket} does not exist; fix the URI "
+                            "(or AWS_ENDPOINT_URL, if it names another store)")
         if code in ("AccessDenied", "AllAccessDisabled", "403"):
-            return BadInput(f"access to s3://{bucket}/ denied; these credentials need s3:ListBucket and s3:GetObject there")
+            return BadInput(f"access to s3://{bucket}/ denied; these credentials need s3:ListBucket "
+                            "and s3:GetObject there")
         if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
             return BadInput(f"S3 refused the AWS credentials ({code}); renew or fix them")
         if code == "InvalidBucketName":
@@ -108,7 +114,8 @@ def explained(err: Exception, bucket: str) -> Exception:
         if status < 500 and code not in ("SlowDown", "RequestTimeout", "Throttling"):
             return BadInput(f"S3 error {code}: {str(err).splitlines()[0][:200]}")
     endpoint = os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
-    return Unavailable(f"S3 unreachable at {endpoint} ({type(err).__name__}: {str(err).splitlines()[0][:160]}); "
+    reason = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return Unavailable(f"S3 unreachable at {endpoint} ({reason}); "
                        "check the network, the VPN or AWS_ENDPOINT_URL, then try again")
 
 
@@ -119,21 +126,18 @@ class Store:
         self.bucket = bucket
         self.s3 = make_client()
 
-    def call(self, fn, **kwargs):
+    def guarded(self, fn, *args, **kwargs):
         try:
-            return fn(Bucket=self.bucket, **kwargs)
+            return fn(*args, **kwargs)
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as err:
             raise explained(err, self.bucket) from None
 
     def list_objects(self, prefix: str) -> list[dict]:
-        objects = []
+        def collect() -> list[dict]:
+            pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            return [item for page in pages for item in page.get("Contents", [])]
 
-        def collect(Bucket: str, Prefix: str):
-            for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=Bucket, Prefix=Prefix):
-                objects.extend(page.get("Contents", []))
-
-        self.call(collect, Prefix=prefix)
-        return objects
+        return self.guarded(collect)
 
     def read_json(self, key: str) -> dict | None:
         """The object parsed; None when it is gone (a listing is a moment ago) or not JSON."""
@@ -152,7 +156,7 @@ class Store:
 
     def download(self, key: str, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.call(lambda Bucket, Key: self.s3.download_file(Bucket, Key, str(path)), Key=key)
+        self.guarded(self.s3.download_file, self.bucket, key, str(path))
 
 
 # -- what S3 holds --------------------------------------------------------------------------------
@@ -181,13 +185,12 @@ def run_root(relative: str) -> str | None:
 
 def find_runs(objects: list[dict], prefix: str) -> dict[str, RunFiles]:
     """Runs by name (their path under the prefix; "" when the prefix is a run itself)."""
-    roots = {r for o in objects if (r := run_root(o["Key"][len(prefix):])) is not None}
-    # A run's own folders may hold anything: keep only the outermost roots.
-    roots = {r for r in roots if not any(_inside(r, other) for other in roots if other != r)}
+    marked = {r for o in objects if (r := run_root(o["Key"][len(prefix):])) is not None}
+    # A run's own folders may hold anything: only the outermost marked folders are runs.
+    roots = {r for r in marked if r == "" or _run_above(r, marked) is None}
     runs = {r: RunFiles(r, prefix + (r + "/" if r else "")) for r in roots}
     for item in objects:
-        relative = item["Key"][len(prefix):]
-        owner = next((r for r in roots if _inside(relative, r)), None)
+        owner = _run_above(item["Key"][len(prefix):], roots)
         if owner is None:
             continue
         run = runs[owner]
@@ -195,15 +198,18 @@ def find_runs(objects: list[dict], prefix: str) -> dict[str, RunFiles]:
         run.size += item["Size"]
         run.keys.add(inner)
         parts = inner.split("/")
-        if len(parts) == 3 and parts[0] == CHECKPOINTS and parts[2] == MANIFEST and _step_of(parts[1]) is not None:
+        is_manifest = len(parts) == 3 and parts[0] == CHECKPOINTS and parts[2] == MANIFEST
+        if is_manifest and _step_of(parts[1]) is not None:  # committed: its manifest is there
             run.committed.add(_step_of(parts[1]))
         if parts[0] == "tensorboard" and "tfevents" in parts[-1]:
             run.event_files.append(inner)
     return runs
 
 
-def _inside(path: str, folder: str) -> bool:
-    return folder == "" or path.startswith(folder + "/")
+def _run_above(path: str, roots: set[str]) -> str | None:
+    """The outermost of `roots` that holds `path` (a key, or a folder without its slash)."""
+    parts = path.split("/")[:-1]
+    return next((folder for i in range(len(parts) + 1) if (folder := "/".join(parts[:i])) in roots), None)
 
 
 def _step_of(name: str) -> int | None:
@@ -215,41 +221,42 @@ def _step_of(name: str) -> int | None:
 # -- the state of a run ---------------------------------------------------------------------------
 
 def summarize(store: Store, run: RunFiles, bucket: str, stale_after: float, now: float) -> dict:
-    status = store.read_json(run.prefix + "status.json") if "status.json" in run.keys else None
-    complete = store.read_json(run.prefix + "COMPLETE") if "COMPLETE" in run.keys else None
-    progress = (status or {}).get("progress") or {}
+    status = (store.read_json(run.prefix + "status.json") if "status.json" in run.keys else None) or {}
+    finished = "COMPLETE" in run.keys
+    complete = (store.read_json(run.prefix + "COMPLETE") if finished else None) or {}
+    progress = status.get("progress") or {}
     newest = max(run.committed, default=None)
     meta = {}
-    if newest is not None and (progress.get("max_steps") is None or complete is None and status is None):
+    if newest is not None and progress.get("max_steps") is None:  # no trainer report: ask the checkpoint
         manifest = store.read_json(f"{run.prefix}{CHECKPOINTS}/step-{newest:08d}/{MANIFEST}") or {}
         meta = manifest.get("meta") or {}
-    heartbeat = (status or {}).get("heartbeat_at")
-    attempts = (status or {}).get("attempts") or []
+    heartbeat = status.get("heartbeat_at")
+    attempts = status.get("attempts") or []
     return {
         "run": run.name or run.prefix.rstrip("/").rsplit("/", 1)[-1] or bucket,
         "uri": f"s3://{bucket}/{run.prefix}",
-        "state": state_of(status, complete is not None or "COMPLETE" in run.keys, stale_after, now),
+        "state": state_of(status, finished, stale_after, now),
         "committed_step": newest,
-        "max_steps": _first(progress.get("max_steps"), meta.get("max_steps"), (complete or {}).get("steps")),
+        "max_steps": _first(progress.get("max_steps"), meta.get("max_steps"), complete.get("steps")),
         "step": progress.get("step"),
-        "train_loss": _first(progress.get("train_loss"), (complete or {}).get("train_loss")),
-        "val_loss": _first(progress.get("val_loss"), (complete or {}).get("val_loss"), meta.get("val_loss")),
-        "best_val_loss": _first((complete or {}).get("best_val_loss"), progress.get("best_val_loss"),
+        "train_loss": _first(progress.get("train_loss"), complete.get("train_loss")),
+        "val_loss": _first(progress.get("val_loss"), complete.get("val_loss"), meta.get("val_loss")),
+        "best_val_loss": _first(complete.get("best_val_loss"), progress.get("best_val_loss"),
                                 meta.get("best_val_loss")),
-        "best_step": _first((complete or {}).get("best_step"), progress.get("best_step"), meta.get("best_step")),
+        "best_step": _first(complete.get("best_step"), progress.get("best_step"), meta.get("best_step")),
         "tokens_per_sec": progress.get("tokens_per_sec"),
         "eta_seconds": progress.get("eta_seconds"),
-        "attempts": len(attempts) or (complete or {}).get("attempts") or 0,
-        "pod": (status or {}).get("pod"),
+        "attempts": len(attempts) or complete.get("attempts") or 0,
+        "pod": status.get("pod"),
         "heartbeat_at": heartbeat,
         "heartbeat_age_seconds": round(now - heartbeat, 1) if heartbeat else None,
         "size_bytes": run.size,
-        "completed_at": (complete or {}).get("completed_at"),
+        "completed_at": complete.get("completed_at"),
         "attempt_history": attempts,
     }
 
 
-def state_of(status: dict | None, complete: bool, stale_after: float, now: float) -> str:
+def state_of(status: dict, complete: bool, stale_after: float, now: float) -> str:
     if complete:
         return "completed"
     if not status:
@@ -397,7 +404,8 @@ def plot(store: Store, runs: list[RunFiles], path: Path) -> int:
                 store.download(run.prefix + key, folder / Path(key).name)
             curves = loss_curves(folder) if run.event_files else {}
             if not curves:
-                print(f"status: note: {run.name or run.prefix}: no loss in TensorBoard event files yet", file=sys.stderr)
+                print(f"status: note: {run.name or run.prefix}: no loss in TensorBoard event files yet",
+                      file=sys.stderr)
                 continue
             color = f"C{drawn % 10}"
             name = run.name or run.prefix.rstrip("/").rsplit("/", 1)[-1]
@@ -407,16 +415,25 @@ def plot(store: Store, runs: list[RunFiles], path: Path) -> int:
                 axes.plot(*curves["val/loss"], color=color, linestyle="none", marker="o", markersize=4,
                           label=f"{name} val")
             drawn += 1
-    if drawn:
-        axes.set_xlabel("step")
-        axes.set_ylabel("loss")
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize="small")
-        axes.set_title("loss by step")
-        figure.tight_layout()
-        figure.savefig(path, dpi=100)
-    plt.close(figure)
+    try:
+        if drawn:
+            save(figure, axes, path)
+    finally:
+        plt.close(figure)
     return drawn
+
+
+def save(figure, axes, path: Path) -> None:
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    axes.set_title("loss by step")
+    figure.tight_layout()
+    try:
+        figure.savefig(path, dpi=100)
+    except OSError as err:
+        raise BadInput(f"cannot write the plot to {path}: {err.strerror or err}; give a writable path") from None
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -429,8 +446,8 @@ def gather(uri: str, stale_after: float) -> tuple[Store, list[RunFiles], list[di
     runs = find_runs(objects, prefix)
     if not runs:
         what = "nothing" if not objects else f"{len(objects)} objects but no run (no status.json, no checkpoints/)"
-        raise BadInput(f"{what} under s3://{bucket}/{prefix}; check the prefix (give the folder that holds the runs, "
-                       "or one run's folder)")
+        raise BadInput(f"{what} under s3://{bucket}/{prefix}; check the prefix (give the folder that holds "
+                       "the runs, or one run's folder)")
     single = "" in runs
     ordered = [runs[""]] if single else [runs[name] for name in sorted(runs)]
     now = time.time()

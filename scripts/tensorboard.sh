@@ -46,10 +46,12 @@ check_endpoint() {
     value=${!name:-}
     [[ -n "${value}" ]] || continue
     [[ "${value}" =~ ^https?://[^/]+ ]] ||
-      die "${EXIT_BAD_INPUT}" "${name}=${value} has no http:// or https:// scheme (TensorBoard would show empty pages); give it as http://${value#*://}"
+      die "${EXIT_BAD_INPUT}" "${name}=${value} has no http:// or https:// scheme (TensorBoard's loader" \
+        "would die on it and serve empty pages); give it as http://${value#*://}"
     echo "${value}"
     return 0
   done
+  return 0
 }
 
 # The venv's tools when they are not on PATH (./scripts/test.sh makes .venv).
@@ -59,25 +61,31 @@ find_tool() {
   elif [[ -x "${ROOT}/.venv/bin/$1" ]]; then
     echo "${ROOT}/.venv/bin/$1"
   else
-    die "${EXIT_BAD_INPUT}" "$1 not found; run ./scripts/test.sh once (it makes .venv) or pip install tensorboard boto3 awscli"
+    die "${EXIT_BAD_INPUT}" "$1 not found; run ./scripts/test.sh once (it makes .venv)" \
+      "or pip install tensorboard boto3 awscli"
   fi
 }
 
 # Every key under the URI (relative to it), one a line; dies with one line on S3 errors.
 list_keys() {
-  local uri=$1 endpoint=$2 aws output code=0
+  local uri=$1 endpoint=$2 prefix aws output code=0
+  prefix=${uri#s3://*/}
   aws=$(find_tool aws)
   local -a args=(s3 ls --recursive "${uri}")
   [[ -z "${endpoint}" ]] || args=(--endpoint-url "${endpoint}" "${args[@]}")
   # Few retries: an unreachable store should say so within seconds.
   output=$(AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS=2 "${aws}" "${args[@]}" 2>&1) || code=$?
   case "${code}:${output}" in
-    0:*) awk -v prefix="${uri#s3://*/}" '{ key = substr($0, index($0, $4)); print substr(key, length(prefix) + 1) }' <<<"${output}" ;;
+    0:*) sed -E 's/^[0-9-]+ [0-9:]+ +[0-9]+ //' <<<"${output}" | cut -c "$((${#prefix} + 1))-" ;;
     1:) ;;  # nothing under the prefix
-    *NoSuchBucket*) die "${EXIT_BAD_INPUT}" "bucket $(bucket_of "${uri}") does not exist; fix the URI (or the endpoint, if it names another store)" ;;
-    *AccessDenied* | *Forbidden*) die "${EXIT_BAD_INPUT}" "access to ${uri} denied; these credentials need s3:ListBucket and s3:GetObject there" ;;
-    *"Unable to locate credentials"*) die "${EXIT_BAD_INPUT}" "no AWS credentials found; set AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" ;;
-    *InvalidAccessKeyId* | *SignatureDoesNotMatch* | *ExpiredToken*) die "${EXIT_BAD_INPUT}" "S3 refused the AWS credentials; renew or fix them" ;;
+    *NoSuchBucket*)
+      die "${EXIT_BAD_INPUT}" "bucket $(bucket_of "${uri}") does not exist; fix the URI (or the endpoint, if it names another store)" ;;
+    *AccessDenied* | *Forbidden*)
+      die "${EXIT_BAD_INPUT}" "access to ${uri} denied; these credentials need s3:ListBucket and s3:GetObject there" ;;
+    *"Unable to locate credentials"*)
+      die "${EXIT_BAD_INPUT}" "no AWS credentials found; set AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" ;;
+    *InvalidAccessKeyId* | *SignatureDoesNotMatch* | *ExpiredToken*)
+      die "${EXIT_BAD_INPUT}" "S3 refused the AWS credentials; renew or fix them" ;;
     *"Could not connect"* | *"Connect timeout"* | *"Read timeout"* | *"(5"[0-9][0-9]")"*)
       die "${EXIT_UNAVAILABLE}" "S3 unreachable at ${endpoint:-AWS S3}: $(tail -n 1 <<<"${output}")" ;;
     *) die "${EXIT_BAD_INPUT}" "cannot list ${uri}: $(tail -n 1 <<<"${output}")" ;;
@@ -90,17 +98,23 @@ bucket_of() { local rest=${1#s3://}; echo "${rest%%/*}"; }
 logdir_args() {
   local uri=$1 keys=$2 name runs
   if grep -qE '^(tensorboard|checkpoints)/|^status\.json$' <<<"${keys}"; then
-    name=$(basename "${uri%/}")
-    # The run's folder under its name: TensorBoard calls it NAME/tensorboard, as with a prefix
-    # of runs (on tensorboard/ itself it would be "."). Colons and commas separate in a spec.
-    [[ "${name}" != *[:,]* ]] || name=run
-    say "run ${name}: ${uri}tensorboard/"
-    printf '%s\n' "--logdir_spec=${name}:${uri}"
-    return 0
+    run_spec "$(basename "${uri%/}")" "${uri}" "${uri}tensorboard/"
+  elif grep -qE '^[^/]*tfevents' <<<"${keys}"; then  # a run's tensorboard/ folder itself
+    run_spec "$(basename "$(dirname "${uri%/}")")" "${uri}" "${uri}"
+  else
+    runs=$(sed -nE 's#^(.+)/tensorboard/[^/]*tfevents[^/]*$#\1#p' <<<"${keys}" | sort -u | paste -sd ',' - | sed 's/,/, /g')
+    say "runs under ${uri}: ${runs:-none with event files yet} (runs that start later show up too)"
+    printf '%s\n' "--logdir=${uri}"
   fi
-  runs=$(sed -nE 's#^(.+)/tensorboard/[^/]*tfevents[^/]*$#\1#p' <<<"${keys}" | sort -u | paste -sd ' ' -)
-  say "runs under ${uri}: ${runs:-none with event files yet} (runs that start later show up too)"
-  printf '%s\n' "--logdir=${uri}"
+}
+
+# One run, named: TensorBoard shows the run's folder as NAME/tensorboard, as it shows each run of a
+# prefix (plain --logdir on tensorboard/ would call it ".").
+run_spec() {
+  local name=$1 folder=$2 events=$3
+  [[ "${name}" != *[:,]* ]] || name=run  # the separators of a spec
+  say "run ${name}: ${events}"
+  printf '%s\n' "--logdir_spec=${name}:${folder}"
 }
 
 has_option() {

@@ -3,7 +3,8 @@
 
 Pods are few, so the module tells one story: a run trained to the end ("done"), then a long run
 ("live") watched while it trains (status.py says running; TensorBoard shows its points as they
-come, and the lag is measured) and deleted (interrupted). "crashed" and "stalled" are copies of the
+come, and the lag is measured) and deleted, resumed by its next pod (TensorBoard follows it into
+the new event file) and deleted again (interrupted). "crashed" and "stalled" are copies of the
 live run whose real status.json is edited as dead pods leave it: failed (exit 1 after a lost
 attempt) and stale (still "running", heartbeat an hour old). "misconfigured" is a real failure: its
 trainer rejects a setting.
@@ -40,7 +41,7 @@ RUNS = f"s3://{BUCKET}/runs/"
 LIVE_MAX_STEPS = 100000
 # Checkpoints and evals rarely: two cores serve the trainer, the uploader, the S3 and TensorBoard.
 LIVE_ARGS = f"--set train.max_steps={LIVE_MAX_STEPS} --set checkpoint.interval=50 --set eval.interval=50"
-MEASURE_SECONDS = 24
+MEASURE_SECONDS = 20
 SETTLE_SECONDS = 10  # steps logged this close to the window's end may not be served within it
 STEP_LINE = re.compile(r"train: step (\d+)/\d+ \| loss ([0-9.]+)")
 HOUR = 3600
@@ -91,16 +92,19 @@ def done(lab):
 @dataclass
 class Watch:
     run: Run
-    logged: dict[int, tuple[float, float]]  # step -> (when its log line came, loss)
-    served_at: dict[int, float]  # step -> when TensorBoard first served it
+    logged: dict[int, tuple[float, float]]  # step -> (when its log line came, loss), both pods
+    served_at: dict[int, float]  # step -> when TensorBoard first served it, while the first pod trained
     first_served: set[int]  # what TensorBoard served on its first answer
-    final_served: dict[int, float]  # step -> loss, once the pod had ended
+    final_served: dict[int, float]  # step -> loss, once both pods had ended
     lags: list[float]
-    exit_code: int
-    status_json: list[dict]
+    exit_codes: list[int]
+    status_json: list[dict]  # status.py while the first pod trained
     status_detail: str
     status_stale_now: list[dict]
     tensorboard_runs: list[str]
+    resumed_from: int  # the step the second pod resumed from
+    second_pod_steps: set[int]
+    served_while_second_pod_trained: set[int]
     pod_output: str = field(repr=False)
 
 
@@ -184,40 +188,56 @@ class TensorBoard:
 
 @pytest.fixture(scope="module")
 def watched(lab, done):
-    """The live run: TensorBoard follows it while it trains, then the pod is deleted."""
+    """The live run, with one TensorBoard throughout: its pod trains and is deleted, then the run's
+    next pod resumes it (a new event file) and is deleted in turn."""
     (lab.folder / "live").mkdir()
     run = Run(lab.s3, lab.endpoint, lab.folder / "live", name="live")  # code and data: done's
-    pod = run.start(TRAIN_ARGS=LIVE_ARGS)
-    clock = None
-    board = None
+    pods, clocks, board = [run.start(TRAIN_ARGS=LIVE_ARGS)], [], None
     try:
-        pod.wait_for(f"step 5/{LIVE_MAX_STEPS}")
-        clock = StepClock(pod)
+        pods[0].wait_for(f"step 5/{LIVE_MAX_STEPS}")
+        clocks.append(StepClock(pods[0]))
         board = TensorBoard(run.output_uri, "--reload_interval", "1", "--samples_per_plugin", "scalars=100000")
         board.wait_for_runs("live/tensorboard")
         served_at, first_served = follow(board, "live/tensorboard", MEASURE_SECONDS)
         ready = min(served_at.values())
         window_end = ready + MEASURE_SECONDS
-        measured = [s for s, (at, _) in clock.logged.items() if ready + 1 <= at <= window_end - SETTLE_SECONDS]
-        lags = [served_at.get(s, window_end) - clock.logged[s][0] for s in measured]
+        logged = clocks[0].logged
+        measured = [s for s, (at, _) in logged.items() if ready + 1 <= at <= window_end - SETTLE_SECONDS]
+        lags = [served_at.get(s, window_end) - logged[s][0] for s in measured]
         status_json = status_of(RUNS, "--json")
         status_detail = status_of(run.output_uri)
         stale_now = status_of(RUNS, "--json", "--stale-after", "0")
-        pod.delete()
-        exit_code = pod.wait()
-        pod.wait_for("local_pod: exit code")  # its output is read to the end
-        clock.stop()
-        final = wait_for_step(board, "live/tensorboard", max(clock.logged))
-        return Watch(run, clock.logged, served_at, first_served, final, lags, exit_code, status_json,
-                     status_detail, stale_now, board.runs(), pod.output)
+        exit_codes = [stop(pods[0], clocks[0])]
+
+        pods.append(run.start(TRAIN_ARGS=LIVE_ARGS))
+        clocks.append(StepClock(pods[1]))
+        resumed = int(pods[1].wait_for("train: resumed from step-").split("step-")[1][:8])
+        pods[1].wait_for(f"step {resumed + 20}/{LIVE_MAX_STEPS}")
+        served_while_next_pod_trained = wait_for_step(board, "live/tensorboard", resumed + 20)
+        exit_codes.append(stop(pods[1], clocks[1]))
+        logged = {**clocks[0].logged, **clocks[1].logged}
+        final = wait_for_step(board, "live/tensorboard", max(logged))
+        return Watch(run, logged, served_at, first_served, final, lags, exit_codes, status_json, status_detail,
+                     stale_now, board.runs(), resumed, set(clocks[1].logged), set(served_while_next_pod_trained),
+                     "".join(pod.output for pod in pods))
     finally:
-        if clock:
+        for clock in clocks:
             clock.stop()
         if board:
             board.stop()
-        if pod.proc.poll() is None:
-            pod.delete()
-            pod.wait()
+        for pod in pods:
+            if pod.proc.poll() is None:
+                pod.delete()
+                pod.wait()
+
+
+def stop(pod, clock: StepClock) -> int:
+    """Delete the pod (SIGTERM) and wait until it and its output end; its exit code."""
+    pod.delete()
+    code = pod.wait()
+    pod.wait_for("local_pod: exit code")
+    clock.stop()
+    return code
 
 
 def follow(board: TensorBoard, run: str, seconds: float) -> tuple[dict[int, float], set[int]]:
@@ -250,7 +270,7 @@ def wait_for_step(board: TensorBoard, run: str, step: int, timeout: float = 30) 
 
 
 def test_tensorboard_serves_every_train_loss_step_the_trainer_logged(watched):
-    assert watched.exit_code == 143, watched.pod_output[-3000:]
+    assert watched.exit_codes == [143, 143], watched.pod_output[-3000:]
     logged = {step: loss for step, (_, loss) in watched.logged.items()}
     assert len(logged) > 100
     assert sorted(watched.final_served) == sorted(logged), "every logged step, none else"
@@ -263,6 +283,14 @@ def test_points_logged_later_appear_without_restarting_tensorboard(watched):
     later = set(watched.final_served) - watched.first_served
     assert watched.first_served and len(later) > 100
     assert min(later) > max(watched.first_served)
+
+
+def test_tensorboard_follows_the_runs_next_pod_into_its_new_event_file(watched):
+    assert min(watched.second_pod_steps) == watched.resumed_from + 1
+    assert watched.resumed_from + 20 in watched.served_while_second_pod_trained, "live, not at the pod's end"
+    assert watched.second_pod_steps <= set(watched.final_served)
+    keys = watched.run.keys()
+    assert len([k for k in keys if k.startswith("tensorboard/events.out.tfevents")]) == 2, "one per pod"
 
 
 def test_tensorboard_lag_from_trainer_log_line_to_served_point(watched):

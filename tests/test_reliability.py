@@ -1,0 +1,160 @@
+"""Reliability: S3 faults and outages, a chaos run, two pods on one prefix, the lease, secrets."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import string
+import sys
+import threading
+import time
+
+import boto3
+import pytest
+
+import chaos
+from podlab import BUCKET, ROOT, Run
+from s3_fault_proxy import FaultProxy
+
+sys.path.insert(0, str(ROOT / "job"))
+import lease as leaselib  # noqa: E402
+import s3 as s3lib  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")
+STEP_TIME = re.compile(r"^(\S+Z) train: step (\d+)/")
+
+
+@pytest.fixture
+def run(s3, s3_endpoint, tmp_path, tool_path):
+    return Run(s3, s3_endpoint, tmp_path).stage()
+
+
+def through(run: Run, proxy: FaultProxy) -> Run:
+    """The same run, with its pods talking to S3 through the fault proxy."""
+    run.endpoint = proxy.url
+    return run
+
+
+@pytest.mark.slow
+def test_ten_percent_faults_and_a_two_minute_outage_lose_nothing(run, s3_endpoint):
+    with FaultProxy(upstream=s3_endpoint, error_rate=0.05, reset_rate=0.03, slow_rate=0.02,
+                    slow_seconds=0.5, seed=7) as proxy:
+        pod = through(run, proxy).start(TRAIN_ARGS="--set train.max_steps=400 --set log.interval=20")
+        pod.wait_for("uploader: step-", timeout=180)
+        proxy.configure(outage=True, outage_seconds=120)
+        outage_started = time.monotonic()
+        code = pod.wait(timeout=600)
+        outage_requests = [r for r in proxy.stats()["recent"]
+                           if outage_started <= r[0] <= outage_started + 120 and r[3] == "outage"]
+        injected = proxy.stats()["by_outcome"]
+    assert code == 0, pod.output[-4000:]
+    assert run.json("COMPLETE")["steps"] == 400
+    for step in run.committed_steps():
+        assert run.verify_in_s3(f"step-{step:08d}") is None
+    assert run.committed_steps()[0] == 400 and run.verify_in_s3("best") is None
+    assert injected.get("error", 0) + injected.get("reset", 0) >= 5, injected
+    assert "training goes on" in pod.output, "the uploader saw the outage and kept going"
+    trained_during_outage = [l for l in pod.lines if "train: step " in l and "/400 |" in l]
+    assert len(trained_during_outage) >= 5
+    # Backoff, not a hot loop: the uploader, lease keeper and final upload together ask S3 a
+    # few times a minute during the outage.
+    assert len(outage_requests) < 240, f"{len(outage_requests)} requests in a 120 s outage"
+    print(f"\n10% faults ({injected}) and a 120 s outage: {len(outage_requests)} requests "
+          f"during the outage; COMPLETE written")
+
+
+def test_s3_down_from_the_start_gives_up_after_the_bound_with_exit_75(run, s3_endpoint):
+    with FaultProxy(upstream=s3_endpoint, seed=1) as proxy:
+        proxy.configure(outage=True)
+        started = time.monotonic()
+        pod = through(run, proxy).start(S3_RETRY_SECONDS="15")
+        code = pod.wait(timeout=120)
+        took = time.monotonic() - started
+        requests = proxy.stats()["total"]
+    assert code == 75, pod.output
+    errors = [l for l in pod.lines if "error:" in l]
+    assert len(errors) == 1 and "S3 still failing after 15s" in errors[0]
+    assert 15 <= took < 60
+    assert requests < 60, f"{requests} requests in {took:.0f}s: that is a hot loop"
+    assert run.keys() == {}
+
+
+def test_short_chaos_run_loses_nothing_and_graceful_deletion_redoes_no_step(s3, s3_endpoint, tmp_path, tool_path):
+    reference = Run(s3, s3_endpoint, tmp_path / "ref", name="reference", **chaos.CHAOS_CONFIG).stage()
+    assert reference.run()[0] == 0
+    run = Run(s3, s3_endpoint, tmp_path / "chaos", name="chaos", **chaos.CHAOS_CONFIG).stage()
+    moments = [chaos.Moment(phase, "KILL", delay) for phase, delay in [
+        ("code sync", 0.1), ("checkpoint write", 0.005), ("restore", 0.1), ("upload", 0.5),
+        ("environment", 0.2), ("training", 0.01)]]
+    moments[3:3] = [chaos.Moment("training", "TERM", 0.01), chaos.Moment("upload", "TERM", 0.3)]
+    moments += [chaos.Moment("final upload", "KILL", 0.2), chaos.Moment("writing COMPLETE", "KILL", 0.0)]
+    rows = chaos.run_chaos(run, moments, seed=5, say=lambda line: None)
+    hit = {r.moment.phase for r in rows if r.moment and r.hit}
+    assert len(hit) >= 6, rows
+    graceful = [r for r in rows if r.moment and r.moment.signal == "TERM" and r.hit]
+    assert graceful and all(r.exit_code == 143 for r in graceful)
+    final = chaos.CHAOS_CONFIG["train__max_steps"]
+    assert run.model_sha(final) == reference.model_sha(final)
+
+
+def test_two_pods_on_one_prefix_one_trains_the_other_waits(run):
+    first, second = run.start(), run.start()
+    codes = first.wait(), second.wait()
+    assert codes == (0, 0), first.output + second.output
+    trained = [p for p in (first, second) if "train: model:" in p.output]
+    assert len(trained) == 1, "exactly one pod trained"
+    waiter = second if trained[0] is first else first
+    assert "holds the lease" in waiter.output and "became COMPLETE while waiting" in waiter.output
+    for step in run.committed_steps():
+        assert run.verify_in_s3(f"step-{step:08d}") is None
+    assert run.json("COMPLETE")["attempts"] == 1
+
+
+def test_lease_goes_to_exactly_one_of_two_racing_pods(s3, s3_endpoint):
+    where = s3lib.Location.parse(f"s3://{BUCKET}/race/")
+    leases = [leaselib.Lease(boto3.client("s3", endpoint_url=s3_endpoint), where, f"pod-{i}", ttl=30)
+              for i in range(2)]
+    won = []
+    barrier = threading.Barrier(2)
+
+    def race(lease):
+        barrier.wait()
+        if lease._put(if_none_match=True):
+            won.append(lease.holder)
+
+    threads = [threading.Thread(target=race, args=(lease,)) for lease in leases]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(won) == 1
+
+
+def test_expired_lease_is_taken_over_and_its_old_holder_stops_writing(s3, s3_endpoint):
+    where = s3lib.Location.parse(f"s3://{BUCKET}/takeover/")
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    old = leaselib.Lease(client, where, "old-pod", ttl=2)
+    assert old.acquire(wait_seconds=5)
+    new = leaselib.Lease(client, where, "new-pod", ttl=2)
+    started = time.monotonic()
+    assert new.acquire(wait_seconds=30)
+    assert time.monotonic() - started >= 1.5, "taken only once expired"
+    with pytest.raises(leaselib.LeaseLost, match="another pod .new-pod. holds the lease"):
+        old.renew()
+    new.renew()
+    new.release()
+    assert "takeover/lease.json" not in [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+
+
+def test_secrets_appear_nowhere_in_output_logs_or_uploads(run, monkeypatch):
+    access_key = "AKIA" + "".join(secrets.choice(string.ascii_uppercase + string.digits) for _ in range(16))
+    secret_key = secrets.token_urlsafe(30)
+    hf_token = "hf_" + secrets.token_hex(17)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret_key)
+    code, pod = run.run(HF_TOKEN=hf_token)
+    assert code == 0, pod.output
+    uploaded = b"".join(run.read(key) for key in run.keys())
+    for value in (access_key, secret_key, hf_token):
+        assert value not in pod.output, "printed"
+        assert value.encode() not in uploaded, "uploaded"
+    assert len(run.keys()) >= 10, "the scan covered the run's logs, events, status and checkpoints"
