@@ -237,6 +237,7 @@ class Trainer:
         self.val_loss = None
         self.train_loss = None
         self.speed: dict = {}
+        self.start_step = 0
         self.started = time.monotonic()
 
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every process
@@ -351,7 +352,7 @@ class Trainer:
 
     def run(self) -> int:
         self.load()
-        start_step = self.step
+        start_step = self.start_step = self.step
         model = torch.compile(self.raw_model) if self.cfg.system.compile else self.raw_model
         if self.rt.ddp:
             model = DDP(model, device_ids=[self.rt.local_rank] if self.rt.device.type == "cuda" else None)
@@ -467,7 +468,7 @@ class Trainer:
             f"steps {start_step + 1}..{cfg.train.max_steps}")
 
     def _write_progress(self) -> None:
-        progress = {"step": self.step, "max_steps": self.cfg.train.max_steps,
+        progress = {"step": self.step, "start_step": self.start_step, "max_steps": self.cfg.train.max_steps,
                     "train_loss": self.train_loss, "val_loss": self.val_loss,
                     "best_val_loss": _finite(self.best_val_loss), "best_step": self.best_step,
                     "updated_at": time.time()}

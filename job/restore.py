@@ -36,9 +36,16 @@ def restore(s3, run: Location, out: Path) -> str | None:
     remote = run.child("checkpoints")
     local_root = out / "checkpoints"
     for name in newest_first(s3lib.list_prefixes(s3, remote, retry)):
-        manifest, _ = s3lib.get_json(s3, remote, remote.key(name, checkpoint.MANIFEST), retry)
-        if manifest is None or not isinstance(manifest.get("files"), dict):
+        try:
+            manifest, _ = s3lib.get_json(s3, remote, remote.key(name, checkpoint.MANIFEST), retry)
+        except ValueError:
+            log("restore", f"warning: {name} in S3 is damaged (its manifest.json is not JSON); trying the one before it")
+            continue
+        if manifest is None:
             log("restore", f"{name} in S3 has no manifest.json: never committed, ignored")
+            continue
+        if not isinstance(manifest.get("files"), dict):
+            log("restore", f"warning: {name} in S3 is damaged (its manifest lists no files); trying the one before it")
             continue
         if checkpoint.verify(local_root / name) is None:
             log("restore", f"{name} is already here and whole")

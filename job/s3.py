@@ -146,7 +146,7 @@ class _Retrying:
     def __call__(self, fn, *args, **kwargs):
         try:
             return self.retrying(fn, *args, **kwargs)
-        except BadInput:
+        except (BadInput, ValueError):  # ValueError: an answer that is not what it should be
             raise
         except Exception as err:  # noqa: BLE001 - sorted into the two outcomes right here
             if is_transient(err):

@@ -60,7 +60,10 @@ phase() {
   log "${name}: done in $(elapsed_since "${started}")"
 }
 
-on_error() { log "error: ${BASH_SOURCE[1]}:$1: '$2' failed" >&2; }
+# A failed child has said why already; only what fails unexpectedly gets a line here.
+on_error() {
+  [[ "$2" == return* ]] || log "error: ${BASH_SOURCE[1]}:$1: '$2' failed" >&2
+}
 
 # -- signals and children ---------------------------------------------------------------------
 
@@ -402,7 +405,19 @@ run_trainer() {
     worker=$("${PYTHON}" -c 'import json, sys; print(json.load(open(sys.argv[1]))["message"].get("errorCode", ""))' "${error_file}" 2>/dev/null || true)
     [[ -z "${worker}" ]] || code=${worker}
   fi
+  if ((code == EXIT_BAD_INPUT)); then
+    # Said once by the trainer; said again here, below torchrun's report, for `kubectl logs --tail`.
+    log "the trainer stopped on bad input (exit 64): $(worker_message "${error_file}")"
+  elif ((code != 0)); then
+    log "error: the trainer failed with exit ${code}: $(worker_message "${error_file}")" >&2
+  fi
   return "${code}"
+}
+
+worker_message() {
+  [[ -f "$1" ]] || { echo "see its traceback above"; return 0; }
+  "${PYTHON}" -c 'import json, sys; print(json.load(open(sys.argv[1]))["message"]["message"].splitlines()[0][:300])' "$1" 2>/dev/null ||
+    echo "see its traceback above"
 }
 
 # -- the end, whatever it is --------------------------------------------------------------------

@@ -112,9 +112,14 @@ class Uploader:
             self.retention_checked = True
 
     def remote_files(self, name: str) -> dict | None:
+        """The files S3's manifest of a checkpoint lists; None when not committed there, {} when
+        its manifest is damaged (then the local one replaces it)."""
         if name not in self.remote:
-            manifest, _ = s3lib.get_json(self.s3, self.ckpts, self.ckpts.key(name, checkpoint.MANIFEST), self.retry)
-            self.remote[name] = manifest["files"] if manifest else None
+            try:
+                manifest, _ = s3lib.get_json(self.s3, self.ckpts, self.ckpts.key(name, checkpoint.MANIFEST), self.retry)
+            except ValueError:
+                manifest = {"files": {}}
+            self.remote[name] = manifest.get("files", {}) if manifest else None
         return self.remote[name]
 
     def upload_checkpoint(self, folder: Path) -> bool:
@@ -265,7 +270,7 @@ class Uploader:
     def write_status(self, state: str) -> None:
         progress = _read_json(self.out / "progress.json") or {}
         if progress and self.attempt.get("start_step") is None:
-            self.attempt["start_step"] = progress.get("step")
+            self.attempt["start_step"] = progress.get("start_step", progress.get("step"))
         self.attempt["end_step"] = progress.get("step", self.attempt.get("end_step"))
         self.attempt["heartbeat_at"] = _heartbeat_time()
         newest = checkpoint.committed_steps(self.out / "checkpoints")

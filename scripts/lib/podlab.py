@@ -168,6 +168,7 @@ class Run:
         return env
 
     def start(self, job_yaml: Path = JOB_YAML, **env: str) -> Pod:
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.pods += 1
         pidfile = self.folder / f"pod-{self.pods}.pid"
         command = [sys.executable, str(ROOT / "scripts" / "local_pod.py"), "--pidfile", str(pidfile),
