@@ -245,7 +245,8 @@ permanent_s3_error() {
 # Retries transient S3 errors with exponential backoff and jitter for up to S3_RETRY_SECONDS.
 s3_retry() {
   local uri=$1; shift
-  local output="${STATE_DIR}/s3-command.out" deadline=$((SECONDS + S3_RETRY_SECONDS)) delay=2 attempt=1
+  local output="${STATE_DIR}/s3-command.out" started=${SECONDS} delay=2 attempt=1
+  local deadline=$((SECONDS + S3_RETRY_SECONDS))
   while true; do
     if run_child --output "${output}" "$@"; then
       return 0
@@ -254,9 +255,10 @@ s3_retry() {
     text=$(tail -c 2000 "${output}")
     reason=$(permanent_s3_error "${text}" "${uri}")
     [[ -z "${reason}" ]] || die "${EXIT_BAD_INPUT}" "${reason}"
-    if ((SECONDS + delay > deadline)); then
-      die "${EXIT_UNAVAILABLE}" "S3 still failing after ${S3_RETRY_SECONDS}s for ${uri}: $(tail -n 1 <<<"${text}")"
+    if ((SECONDS >= deadline)); then
+      die "${EXIT_UNAVAILABLE}" "S3 still failing after $((SECONDS - started))s of retries (S3_RETRY_SECONDS=${S3_RETRY_SECONDS}) for ${uri}: $(tail -n 1 <<<"${text}")"
     fi
+    delay=$((delay > deadline - SECONDS ? deadline - SECONDS : delay))
     warn "S3 failed for ${uri} (try ${attempt}: $(tail -n 1 <<<"${text}")); again in ${delay}s"
     sleep "${delay}"
     attempt=$((attempt + 1))

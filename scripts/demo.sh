@@ -29,7 +29,8 @@ start_local_s3() {
     ((tries++ < 100)) || die "the local S3 did not start; see ${DEMO}/s3.log"
     sleep 0.1
   done
-  export AWS_ENDPOINT_URL="http://127.0.0.1:$(cat "${DEMO}/s3.port")"
+  AWS_ENDPOINT_URL="http://127.0.0.1:$(cat "${DEMO}/s3.port")"
+  export AWS_ENDPOINT_URL
   export AWS_ACCESS_KEY_ID=demo AWS_SECRET_ACCESS_KEY=demo AWS_DEFAULT_REGION=us-east-1
   echo "local S3 at ${AWS_ENDPOINT_URL}"
 }
