@@ -350,7 +350,8 @@ setup_python() {
   grep -v '^[0-9T:-]*Z python_env: ' "${STATE_DIR}/python-env.out" | tail -n 1 >"${STATE_DIR}/python"
   grep '^[0-9T:-]*Z python_env: ' "${STATE_DIR}/python-env.out" || true
   PYTHON=$(cat "${STATE_DIR}/python")
-  log "python: ${PYTHON} ($("${PYTHON}" -c 'import sys, torch; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}")'))"
+  # Installed metadata, not `import torch`: a second of every restart otherwise.
+  log "python: ${PYTHON} ($("${PYTHON}" -c 'import sys; from importlib.metadata import version; print(f"Python {sys.version.split()[0]}, torch {version("torch")}")'))"
 }
 
 take_lease() {
