@@ -351,7 +351,7 @@ setup_python() {
   grep '^[0-9T:-]*Z python_env: ' "${STATE_DIR}/python-env.out" || true
   PYTHON=$(cat "${STATE_DIR}/python")
   # Installed metadata, not `import torch`: a second of every restart otherwise.
-  log "python: ${PYTHON} ($("${PYTHON}" -c 'import sys; from importlib.metadata import version; print(f"Python {sys.version.split()[0]}, torch {version("torch")}")'))"
+  log "python: ${PYTHON} ($("${PYTHON}" -c 'import sys; from importlib.metadata import version; print("Python " + sys.version.split()[0] + ", torch " + version("torch"))'))"
 }
 
 take_lease() {

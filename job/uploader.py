@@ -34,7 +34,6 @@ import threading
 import time
 from pathlib import Path
 
-import botocore.exceptions
 
 import s3 as s3lib
 from lease import Keeper, Lease, LeaseLost

@@ -21,7 +21,6 @@ import argparse
 import os
 import random
 import re
-import signal
 import sys
 import tempfile
 import time

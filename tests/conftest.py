@@ -32,31 +32,44 @@ def s3_endpoint():
     server.stop()
 
 
-@pytest.fixture
-def aws_env(s3_endpoint, monkeypatch):
+def fake_aws(monkeypatch, s3_endpoint: str) -> dict:
     """Fake credentials and the local endpoint, for this process and the ones it starts."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+    settings = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_endpoint}
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "S3_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
-    return {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": s3_endpoint,
-    }
+    return settings
 
 
-@pytest.fixture
-def s3(aws_env, s3_endpoint):
-    """A boto3 client on a freshly reset server with one empty bucket, BUCKET."""
+def fresh_bucket(s3_endpoint: str):
+    """Reset the server; a boto3 client and one empty bucket, BUCKET."""
     request = urllib.request.Request(f"{s3_endpoint}/moto-api/reset", method="POST")
     urllib.request.urlopen(request).close()
     client = boto3.client("s3", endpoint_url=s3_endpoint)
     client.create_bucket(Bucket=BUCKET)
     return client
+
+
+@pytest.fixture
+def aws_env(s3_endpoint, monkeypatch):
+    return fake_aws(monkeypatch, s3_endpoint)
+
+
+@pytest.fixture
+def s3(aws_env, s3_endpoint):
+    return fresh_bucket(s3_endpoint)
+
+
+@pytest.fixture(scope="module")
+def module_s3(s3_endpoint):
+    """For a module whose fixtures share runs: the fake AWS settings and .venv's tools on PATH for
+    the whole module, and a server reset once for it (the `s3` fixture resets it for every test)."""
+    with pytest.MonkeyPatch.context() as patch:
+        fake_aws(patch, s3_endpoint)
+        patch.setenv("PATH", venv_bin() + os.pathsep + os.environ.get("PATH", ""))
+        yield fresh_bucket(s3_endpoint)
 
 
 def venv_bin() -> str:

@@ -34,19 +34,12 @@ class Case:
 
 
 @pytest.fixture(scope="module")
-def lab(s3_endpoint, tmp_path_factory):
+def lab(module_s3, s3_endpoint, tmp_path_factory):
     """One staged bucket and one completed run, shared by the cases (each gets its own copy)."""
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_endpoint}.items():
-            patch.setenv(key, value)
-        patch.setenv("PATH", f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
-        boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=BUCKET)
-        s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-        done = Run(s3, s3_endpoint, tmp_path_factory.mktemp("done"), name="done").stage()
-        code, pod = done.run()
-        assert code == 0, pod.output
-        yield Lab(s3, s3_endpoint, done)
+    done = Run(module_s3, s3_endpoint, tmp_path_factory.mktemp("done"), name="done").stage()
+    code, pod = done.run()
+    assert code == 0, pod.output
+    return Lab(module_s3, s3_endpoint, done)
 
 
 @dataclass

@@ -8,7 +8,6 @@ import hashlib
 import os
 import re
 import subprocess
-import sys
 import time
 import zipfile
 from pathlib import Path

@@ -43,6 +43,7 @@ def reference_sha(reference_cache, s3, s3_endpoint, tmp_path, tool_path):
 def test_happy_path_ends_with_complete(run, reference_cache):
     code, pod = run.run()
     assert code == 0, pod.output
+    assert not [line for line in pod.lines if "error: " in line or "warning: " in line], pod.output
     summary = run.json("COMPLETE")
     assert summary["steps"] == MAX_STEPS and summary["attempts"] == 1
     assert summary["val_loss"] < 5.5 and summary["best_val_loss"] <= summary["val_loss"]

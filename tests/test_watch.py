@@ -28,7 +28,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import boto3
 import pytest
 
 from podlab import BUCKET, ROOT, Run, tool_env
@@ -57,20 +56,8 @@ class Lab:
 
 
 @pytest.fixture(scope="module")
-def lab(s3_endpoint, tmp_path_factory):
-    """The local S3, reset once for this module (the `s3` fixture resets it for every test)."""
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_endpoint}.items():
-            env.setenv(name, value)
-        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
-                     "S3_ENDPOINT"):
-            env.delenv(name, raising=False)
-        env.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-        urllib.request.urlopen(urllib.request.Request(f"{s3_endpoint}/moto-api/reset", method="POST")).close()
-        s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-        s3.create_bucket(Bucket=BUCKET)
-        yield Lab(s3, s3_endpoint, tmp_path_factory.mktemp("watch"))
+def lab(module_s3, s3_endpoint, tmp_path_factory):
+    return Lab(module_s3, s3_endpoint, tmp_path_factory.mktemp("watch"))
 
 
 @pytest.fixture(scope="module")
