@@ -458,6 +458,24 @@ def write_volumes(pod: Pod, pod_dir: Path) -> None:
         f"::1\tlocalhost ip6-localhost ip6-loopback\n127.0.0.1\t{pod_hostname(pod)}\n")
 
 
+def image_paths_under_mounts(pod: Pod) -> list[str]:
+    """The "image" here is the host: the container's PATH entries (for a venv, the whole venv) that
+    a volume mounted over a parent would hide, e.g. a checkout under /tmp. A real image's files are
+    never inside its own volumes, so they are bound back on top."""
+    targets = [m.path for m in pod.mounts] + ["/tmp", "/dev/shm"]
+    kept = []
+    for entry in pod.env.get("PATH", "").split(os.pathsep):
+        if not entry.startswith("/") or not os.path.isdir(entry):
+            continue
+        root = os.path.realpath(entry)
+        parent = os.path.dirname(root)
+        if os.path.exists(os.path.join(parent, "pyvenv.cfg")):
+            root = parent
+        if any(root == t or root.startswith(t.rstrip("/") + "/") for t in targets) and root not in kept:
+            kept.append(root)
+    return kept
+
+
 def pod_hostname(pod: Pod) -> str:
     return pod.name[:63].rstrip("-.")
 
@@ -528,6 +546,8 @@ def setup_container(pod: Pod, pod_dir: Path) -> None:
         os.umask(0o022)  # a container runtime's umask, whatever the runner's
         # Relative sources resolve from this working directory even once /tmp is covered.
         os.chdir(pod_dir)
+        # Opened before the volumes cover them, to be bound back on top afterwards.
+        image_paths = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in image_paths_under_mounts(pod)]
         for volume in pod.volumes.values():
             if volume.tmpfs_size is not None:
                 size = f",size={volume.tmpfs_size}" if volume.tmpfs_size else ""
@@ -541,6 +561,11 @@ def setup_container(pod: Pod, pod_dir: Path) -> None:
                 os.makedirs(source)
             make_mount_point(source, target)
             mount(source, target, None, MS_BIND)
+        for path, fd in image_paths:
+            os.makedirs(path, exist_ok=True)
+            mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+            remount_read_only(path)
+            os.close(fd)
         os.makedirs(pod.working_dir, exist_ok=True)
         # Read-only last, so mount points inside read-only mounts could still be created.
         if pod.security.read_only_root:

@@ -370,3 +370,19 @@ def test_not_root_exits_64():
         pytest.skip("the checkout is not readable by nobody")
     assert result.returncode == 64
     assert result.stderr == "local_pod: must run as root (namespaces and mounts); run it with sudo or as root\n"
+
+
+def test_image_paths_under_tmp_stay_visible_over_the_private_tmp(tmp_path, monkeypatch):
+    # A checkout (and its .venv) under /tmp is the "image" here; a real image's files are never
+    # hidden by the container's own /tmp, so neither are these.
+    tools = Path(tempfile.mkdtemp(dir="/tmp")) / "bin"
+    tools.mkdir()
+    tool = tools / "image-tool"
+    tool.write_text("#!/bin/sh\necho from-the-image\n")
+    tool.chmod(0o755)
+    tools.parent.chmod(0o755)
+    (Path("/tmp") / "host-only-file").write_text("x")
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    result = run_pod(write_job(tmp_path, "image-tool; ls /tmp/host-only-file 2>&1 || echo private-tmp"))
+    assert result.returncode == 0, result.stderr
+    assert "from-the-image" in result.stdout and "private-tmp" in result.stdout
