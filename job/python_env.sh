@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Chooses the Python the pod runs and prints its path on stdout (logs go to stderr).
+# Chooses the Python the pod runs and writes its path to PYTHON_FILE.
 #
-#   python_env.sh WORK_DIR REQUIREMENTS_FILE...
+#   python_env.sh WORK_DIR PYTHON_FILE REQUIREMENTS_FILE...
 #
 # The image's python3 when it already satisfies every requirement: a check of installed metadata
 # that takes milliseconds, so a pod whose image has everything installs nothing. Otherwise a venv
@@ -17,7 +17,7 @@ log() { printf '%s python_env: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; 
 die() { local code=$1; shift; log "error: $*"; exit "${code}"; }
 
 main() {
-  local work_dir=$1; shift
+  local work_dir=$1 python_file=$2; shift 2
   local here base
   here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
   base=$(command -v python3) || die 64 "the image has no python3; use an image with Python 3.9+ and torch"
@@ -26,7 +26,7 @@ main() {
   missing=$("${base}" "${here}/requirements_met.py" "$@") || code=$?
   case "${code}" in
     0) log "the image's Python has every requirement: nothing to install"
-       echo "${base}"; return 0 ;;
+       echo "${base}" >"${python_file}"; return 0 ;;
     1) log "${missing}" ;;
     *) die 64 "requirements cannot be read (see above); fix requirements.txt in S3_CODE_URI" ;;
   esac
@@ -39,7 +39,7 @@ main() {
   else
     make_venv "${base}" "${venv}" "$@"
   fi
-  echo "${venv}/bin/python"
+  echo "${venv}/bin/python" >"${python_file}"
 }
 
 make_venv() {

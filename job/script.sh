@@ -124,11 +124,6 @@ run_child() {
   return "${code}"
 }
 
-fail_with_output() {
-  cat "$2"
-  exit "$1"
-}
-
 start_heartbeat() {
   [[ -z "${HEARTBEAT_PID}" ]] || return 0
   (while true; do touch "${HEALTH_FILE}"; sleep 5; done) &
@@ -345,10 +340,7 @@ sync_data() {
 setup_python() {
   local requirements=("${JOB_DIR}/requirements.txt")
   [[ ! -f "${CODE_DIR}/requirements.txt" ]] || requirements+=("${CODE_DIR}/requirements.txt")
-  run_child --output "${STATE_DIR}/python-env.out" bash "${JOB_DIR}/python_env.sh" "${WORK_DIR}" "${requirements[@]}" ||
-    fail_with_output $? "${STATE_DIR}/python-env.out"
-  grep -v '^[0-9T:-]*Z python_env: ' "${STATE_DIR}/python-env.out" | tail -n 1 >"${STATE_DIR}/python"
-  grep '^[0-9T:-]*Z python_env: ' "${STATE_DIR}/python-env.out" || true
+  run_child bash "${JOB_DIR}/python_env.sh" "${WORK_DIR}" "${STATE_DIR}/python" "${requirements[@]}"
   PYTHON=$(cat "${STATE_DIR}/python")
   # Installed metadata, not `import torch`: a second of every restart otherwise.
   log "python: ${PYTHON} ($("${PYTHON}" -c 'import sys; from importlib.metadata import version; print("Python " + sys.version.split()[0] + ", torch " + version("torch"))'))"

@@ -153,9 +153,14 @@ def fake_wheel(folder: Path, name: str = "tinydep", version: str = "1.0") -> Pat
 
 
 def python_env(work: Path, *requirements: Path, **env: str) -> subprocess.CompletedProcess:
+    """Run the pod's environment step; its `stdout` becomes the Python it chose."""
     full = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", **env}
-    return subprocess.run(["bash", str(ROOT / "job" / "python_env.sh"), str(work), *map(str, requirements)],
-                          capture_output=True, text=True, env=full)
+    chosen = work.parent / f"{work.name}.python"
+    chosen.unlink(missing_ok=True)
+    result = subprocess.run(["bash", str(ROOT / "job" / "python_env.sh"), str(work), str(chosen),
+                             *map(str, requirements)], capture_output=True, text=True, env=full)
+    result.stdout = chosen.read_text() if chosen.exists() else ""
+    return result
 
 
 def test_image_python_is_used_as_is_when_it_has_every_requirement(tmp_path):
