@@ -414,9 +414,11 @@ class Trainer:
                 log(f"step {self.step}: val loss {_show(self.val_loss)} (best {_show(self.best_val_loss)} at step {self.best_step})")
                 self.writer.add_scalar("val/loss", self.val_loss, self.step)
                 self.writer.flush()
-        if self.step % self.cfg.checkpoint.interval == 0 or last:
+        saving = self.step % self.cfg.checkpoint.interval == 0 or last
+        if saving:
             self.save(is_best)
-        if self.rt.master:
+        # What the pod reports: fresh at each log line and checkpoint, not rewritten every step.
+        if self.rt.master and (saving or self.step % self.cfg.log.interval == 0):
             self._write_progress()
 
     @torch.no_grad()
