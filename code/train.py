@@ -285,11 +285,17 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         restore_rng(state["rng"], self.rt)
         self.step = state["step"]
+        if self.step > self.cfg.train.max_steps:
+            raise ConfigError(f"checkpoint {folder.name} is past train.max_steps ({self.cfg.train.max_steps}); "
+                              f"raise train.max_steps, or use a new S3_OUTPUT_URI")
         self.best_val_loss = state["best_val_loss"]
         self.best_step = state["best_step"]
         self.val_loss = state.get("val_loss")
         self.train_loss = state.get("train_loss")
         log(f"resumed from {folder.name} (step {self.step}) in {time.monotonic() - started:.1f}s")
+        if self.rt.master and self.best_step == self.step:
+            # A pod that died between committing this step and linking it as best/ left best/ behind.
+            self._link_best(folder)
 
     def save(self, is_best: bool) -> None:
         """Commit a checkpoint of this step (a collective: every rank calls it, rank 0 writes)."""

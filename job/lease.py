@@ -60,7 +60,7 @@ class Lease:
         self._take(retry, wait_seconds)
         # The pod before may have finished the run and let the lease go just now.
         if retry(self._complete):
-            self.release()
+            self.release(retry)
             return False
         return True
 
@@ -73,7 +73,7 @@ class Lease:
             if current is not None:
                 owner, etag, age = current
                 if owner == self.holder:  # our write landed though its answer was lost
-                    self.etag, self.renewed = etag, time.monotonic()
+                    self.etag, self.renewed = etag, time.monotonic() - age
                     return
                 if age > self.ttl and retry(self._put, if_match=etag):
                     log("lease", f"took over the lease of {owner}, expired {age - self.ttl:.0f}s ago")
@@ -129,33 +129,50 @@ class Lease:
     # -- keeping it ----------------------------------------------------------------------------
 
     def renew(self) -> None:
-        """Prove the lease is still ours and push its expiry; LeaseLost if another pod has it."""
+        """Prove the lease is still ours and push its expiry. LeaseLost if another pod has it;
+        s3.Unavailable when S3 cannot say (then this pod must not write, but may try again)."""
         with self._lock:
-            if self._put(if_match=self.etag):
-                return
-            current = self._read()
-            if current and current[0] == self.holder:  # a retried renewal whose first try landed
-                self.etag, self.renewed = current[1], time.monotonic()
-                return
-            raise LeaseLost(f"another pod ({current[0] if current else 'none'}) holds the lease on "
-                            f"{self.run} now; this pod stops writing there")
+            try:
+                self._renew()
+            except (LeaseLost, s3lib.BadInput):
+                raise
+            except Exception as err:  # noqa: BLE001 - sorted right here, like s3.retrying does
+                if s3lib.is_transient(err):
+                    raise s3lib.Unavailable(f"lease renewal: {s3lib.explain(err, self.run.bucket)}") from None
+                raise s3lib.BadInput(f"lease renewal: {s3lib.explain(err, self.run.bucket)}") from None
 
-    def ensure_fresh(self) -> None:
-        """Before a write: the lease was renewed within ttl/2, or is renewed now."""
+    def _renew(self) -> None:
+        if self._put(if_match=self.etag):
+            return
+        current = self._read()
+        if current and current[0] == self.holder:  # a retried renewal whose first try landed
+            self.etag, self.renewed = current[1], time.monotonic() - current[2]
+            return
+        raise LeaseLost(f"another pod ({current[0] if current else 'none'}) holds the lease on "
+                        f"{self.run} now; this pod stops writing there")
+
+    def ensure_fresh(self, retry=None) -> None:
+        """Before a write: the lease was renewed within ttl/2, or is renewed now (through `retry`,
+        an s3.retrying, when given)."""
         if time.monotonic() - self.renewed > self.ttl / 2:
-            self.renew()
+            retry(self.renew) if retry else self.renew()
 
-    def release(self) -> None:
-        """Let the next pod start at once instead of waiting for the expiry."""
+    def release(self, retry=None) -> None:
+        """Let the next pod start at once instead of waiting for the expiry (through `retry`,
+        an s3.retrying, when given)."""
+        call = retry or (lambda fn, *args: fn(*args))
         with self._lock:
-            current = self._read()
+            current = call(self._read)
             if current is None or current[0] != self.holder:
                 return
-            try:
-                self.s3.delete_object(Bucket=self.run.bucket, Key=self.run.key(KEY), IfMatch=current[1])
-            except botocore.exceptions.ClientError as err:
-                if s3lib.http_status(err) not in (404, 409, 412):
-                    raise
+            call(self._delete, current[1])
+
+    def _delete(self, etag: str) -> None:
+        try:
+            self.s3.delete_object(Bucket=self.run.bucket, Key=self.run.key(KEY), IfMatch=etag)
+        except botocore.exceptions.ClientError as err:
+            if s3lib.http_status(err) not in (404, 409, 412):
+                raise
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({"holder": self.holder, "etag": self.etag}))
@@ -190,11 +207,11 @@ class Keeper(threading.Thread):
                 log("lease", f"renewal failed ({s3lib.explain(err, self.lease.run.bucket)}); "
                              f"again in {delay:.0f}s")
 
-    def check(self) -> None:
-        """Raise LeaseLost unless this pod may write now."""
+    def check(self, retry=None) -> None:
+        """Raise LeaseLost unless this pod may write now (s3.Unavailable if S3 cannot say)."""
         if self.lost:
             raise self.lost
-        self.lease.ensure_fresh()
+        self.lease.ensure_fresh(retry)
 
     def stop(self) -> None:
         self._stop_event.set()

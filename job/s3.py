@@ -6,6 +6,7 @@ The endpoint comes from AWS_ENDPOINT_URL (boto3 reads it), so S3-compatible stor
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -100,13 +101,17 @@ def http_status(err: BaseException) -> int:
 
 
 def is_transient(err: BaseException) -> bool:
-    """Throttling, 5xx, timeouts and broken connections pass; wrong buckets or keys never do."""
-    if isinstance(err, (botocore.exceptions.NoCredentialsError, BadInput)):
+    """Throttling, 5xx, timeouts and broken connections pass; wrong buckets or keys, a store
+    without what this needs, a full disk never do."""
+    if isinstance(err, (botocore.exceptions.NoCredentialsError, botocore.exceptions.ParamValidationError,
+                        BadInput)):
+        return False
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
         return False
     if isinstance(err, botocore.exceptions.ClientError):
         code, status = error_code(err), http_status(err)
-        return code not in _PERMANENT and (status >= 500 or status in (0, 408, 429) or
-                                           code in ("SlowDown", "RequestTimeout", "Throttling"))
+        return code not in _PERMANENT and status != 501 and (
+            status >= 500 or status in (0, 408, 429) or code in ("SlowDown", "RequestTimeout", "Throttling"))
     return isinstance(err, (botocore.exceptions.BotoCoreError, ConnectionError, TimeoutError, OSError))
 
 
@@ -114,6 +119,13 @@ def explain(err: BaseException, bucket: str) -> str:
     """One line: what went wrong and how to fix it."""
     if isinstance(err, botocore.exceptions.NoCredentialsError):
         return "no AWS credentials found; create the Secret aws-credentials (see README) or give the pod an IAM role"
+    if isinstance(err, botocore.exceptions.ParamValidationError):
+        return f"this boto3 lacks a feature the pod needs ({err}); use boto3>=1.36 (job/requirements.txt)"
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left on the workspace volume; give it more room (emptyDir sizeLimit)"
+    if http_status(err) == 501:
+        return (f"the S3 store refused {error_code(err)} (501): the run's lease needs conditional writes "
+                "(If-None-Match, If-Match); use a store that has them")
     code = error_code(err)
     if code in _PERMANENT:
         return _PERMANENT[code].format(bucket=bucket)

@@ -54,6 +54,7 @@ elapsed_since() { local ms=$(($(date +%s%3N) - $1)); printf '%d.%01ds' $((ms / 1
 phase() {
   local name=$1; shift
   local started
+  stop_if_asked
   started=$(date +%s%3N)
   log "${name}..."
   "$@"
@@ -83,6 +84,11 @@ on_signal() {
 }
 
 signal_exit_code() { [[ "${STOP_SIGNAL}" == INT ]] && echo 130 || echo 143; }
+
+# A signal that came while no child ran to receive it still stops the pod.
+stop_if_asked() {
+  [[ -z "${STOP_SIGNAL}" ]] || exit "$(signal_exit_code)"
+}
 
 # `wait` returns early when a trapped signal arrives; the child may still be running then.
 wait_for() {
@@ -117,6 +123,7 @@ run_child() {
     "$@" >"${output}" 2>&1 &
   fi
   CHILD_PID=$!
+  [[ -z "${STOP_SIGNAL}" ]] || kill -s TERM "${CHILD_PID}" 2>/dev/null || true  # came before $!
   local code=0
   wait_for "${CHILD_PID}" || code=$?
   CHILD_PID=""
@@ -161,11 +168,12 @@ check_positive_int() {
   [[ "${value}" =~ ^[1-9][0-9]*$ ]] || die "${EXIT_BAD_INPUT}" "${name}=${value} must be a positive integer; fix it in job.yaml"
 }
 
+# nvidia-smi when the image has it; else the device nodes the device plugin gave the pod.
 visible_gpus() {
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
   else
-    echo 0
+    find /dev -maxdepth 1 -name 'nvidia[0-9]*' 2>/dev/null | wc -l
   fi
 }
 
@@ -211,6 +219,7 @@ validate_settings() {
   STATE_DIR=${WORK_DIR}/.pod
   LOG_FILE=${STATE_DIR}/pod.log
   mkdir -p "${DATA_DIR}" "${OUTPUT_DIR}" "${STATE_DIR}"
+  rm -f "${STATE_DIR}/lease.json"  # an earlier pod's, on a WORK_DIR that outlives pods
   export WORK_DIR CODE_DIR STATE_DIR LOG_FILE HEALTH_FILE SYNC_INTERVAL_SECONDS S3_RETRY_SECONDS
   export PYTHONUNBUFFERED=1
   # The AWS CLI's own retries: exponential backoff with jitter on throttling, 5xx and resets.
@@ -379,6 +388,7 @@ mark_ready() {
 }
 
 run_trainer() {
+  stop_if_asked
   local -a extra=()
   read -r -a extra <<<"${TRAIN_ARGS:-}"
   local error_file="${STATE_DIR}/trainer-error.json"
@@ -388,11 +398,12 @@ run_trainer() {
     --nproc_per_node="${NPROC_PER_NODE}" "${CODE_DIR}/train.py" --config "${CODE_DIR}/${TRAIN_CONFIG}" \
     --data_dir "${DATA_DIR}" --output_dir "${OUTPUT_DIR}" "${extra[@]}" &
   TRAINER_PID=$!
+  [[ -z "${STOP_SIGNAL}" ]] || kill -s "${STOP_SIGNAL}" "${TRAINER_PID}" 2>/dev/null || true  # came before $!
   local code=0
   wait_for "${TRAINER_PID}" || code=$?
   TRAINER_PID=""
-  if [[ -n "${STOP_SIGNAL}" ]]; then
-    return "$(signal_exit_code)"
+  if [[ -n "${STOP_SIGNAL}" ]] && ((code != 0)); then
+    return "$(signal_exit_code)"  # a trainer that had finished keeps its 0
   fi
   if ((code != 0)) && [[ -f "${error_file}" ]]; then
     # torchrun exits 1 whatever its workers' codes; their root cause carries the real one.
@@ -420,6 +431,8 @@ worker_message() {
 finish() {
   local code=$?
   trap '' TERM INT  # the grace period is for this final upload: no second interruption
+  # lease.py may have taken the lease and been stopped before it could say so.
+  [[ ! -f "${STATE_DIR:-/nonexistent}/lease.json" ]] || LEASE_HELD=1
   stop_heartbeat
   [[ -z "${TRAINER_PID}" ]] || kill -s TERM "${TRAINER_PID}" 2>/dev/null || true
   if ((LEASE_HELD)); then

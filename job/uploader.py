@@ -18,7 +18,8 @@ Every write first proves the pod still holds the run's lease (lease.py). S3 outa
 retries with exponential backoff and jitter forever (training never waits on it); `final` gives up
 after S3_RETRY_SECONDS with exit 75.
 
-Environment: SYNC_INTERVAL_SECONDS (60), LOG_FILE, STATE_DIR (lease and attempt), HEALTH_FILE,
+Environment: SYNC_INTERVAL_SECONDS (60), UPLOAD_RETRY_SECONDS (30: one round of the watcher's
+retries), S3_RETRY_SECONDS (600: `final`'s), LOG_FILE, STATE_DIR (lease and attempt), HEALTH_FILE,
 CODE_DIR (checkpoint.py), HOSTNAME.
 """
 
@@ -93,7 +94,16 @@ class Uploader:
         self.keeper.start()
 
     def may_write(self) -> None:
-        self.keeper.check()
+        self.keeper.check(self.retry)
+
+    def write(self, call, *args, **kwargs):
+        """A write to S3, retried; each try first proves this pod still holds the run's lease, so
+        no retry outlives it."""
+        def attempt():
+            self.may_write()
+            return call(*args, **kwargs)
+
+        return self.retry(attempt)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -132,15 +142,17 @@ class Uploader:
         handles = _open_all(folder, manifest["files"])
         if handles is None:
             return False
+        if _read_or_none(folder / checkpoint.MANIFEST) != manifest_bytes:  # best/ swapped meanwhile
+            for handle in handles.values():
+                handle.close()
+            return False
         started = time.monotonic()
         try:
-            self.may_write()
             if self.remote_files(folder.name) is not None:
                 self._uncommit(folder.name)
             for name, handle in handles.items():
                 self._put_file(folder, name, handle, manifest)
-            self.may_write()
-            self.retry(self.s3.put_object, Bucket=self.run.bucket,
+            self.write(self.s3.put_object, Bucket=self.run.bucket,
                        Key=self.ckpts.key(folder.name, checkpoint.MANIFEST), Body=manifest_bytes,
                        ContentType="application/json")
         finally:
@@ -158,14 +170,14 @@ class Uploader:
         source = self._same_bytes_in_s3(folder.name, name, manifest)
         if source:  # best/ is a step that is already up: copy inside S3
             copy = {"Bucket": self.run.bucket, "Key": source}
-            self.retry(self.s3.copy, copy, self.run.bucket, key, Config=s3lib.TRANSFER)
+            self.write(self.s3.copy, copy, self.run.bucket, key, Config=s3lib.TRANSFER)
             return
 
         def put():
             handle.seek(0)
             self.s3.upload_fileobj(handle, self.run.bucket, key, Config=s3lib.TRANSFER)
 
-        self.retry(put)
+        self.write(put)
 
     def _same_bytes_in_s3(self, folder_name: str, name: str, manifest: dict) -> str | None:
         step = manifest.get("meta", {}).get("step")
@@ -178,7 +190,7 @@ class Uploader:
         return None
 
     def _uncommit(self, name: str) -> None:
-        self.retry(self.s3.delete_object, Bucket=self.run.bucket, Key=self.ckpts.key(name, checkpoint.MANIFEST))
+        self.write(self.s3.delete_object, Bucket=self.run.bucket, Key=self.ckpts.key(name, checkpoint.MANIFEST))
         self.remote[name] = None
 
     def apply_retention(self, keep: int) -> None:
@@ -197,21 +209,23 @@ class Uploader:
             return
         kept = sorted(committed, reverse=True)[:max(keep, 1)]
         newest = kept[0]
+        # This pod's own line (what it restored from, what it trained since) stays while the
+        # trainer keeps it: a newer step in S3 may be one whose files are damaged.
+        ours = {s for s, _ in checkpoint.committed_steps(self.out / "checkpoints")}
         # Older than the newest committed and not kept: pruned ones, and leftovers of uploads
         # that a dead pod never finished (no manifest).
-        doomed = [s for s in by_step if s not in kept and s < newest]
+        doomed = [s for s in by_step if s not in kept and s not in ours and s < newest]
         for step in sorted(doomed):
             self._delete_checkpoint(step, by_step[step])
 
     def _delete_checkpoint(self, step: int, keys: list[str]) -> None:
-        self.may_write()
         name = checkpoint.step_dir_name(step)
         manifest = self.ckpts.key(name, checkpoint.MANIFEST)
         if manifest in keys:  # uncommit first: a half-deleted folder must not look whole
-            self.retry(self.s3.delete_object, Bucket=self.run.bucket, Key=manifest)
+            self.write(self.s3.delete_object, Bucket=self.run.bucket, Key=manifest)
         rest = [{"Key": k} for k in keys if k != manifest]
         for start in range(0, len(rest), 1000):
-            self.retry(self.s3.delete_objects, Bucket=self.run.bucket,
+            self.write(self.s3.delete_objects, Bucket=self.run.bucket,
                        Delete={"Objects": rest[start:start + 1000], "Quiet": True})
         self.remote.pop(name, None)
         log("uploader", f"retention: removed {name} from S3")
@@ -233,8 +247,7 @@ class Uploader:
             return
         with open(path, "rb") as file:
             body = file.read(length)
-        self.may_write()
-        self.retry(self.s3.put_object, Bucket=self.run.bucket, Key=key, Body=body)
+        self.write(self.s3.put_object, Bucket=self.run.bucket, Key=key, Body=body)
         self.sent[key] = length
 
     def log_name(self) -> str:
@@ -278,8 +291,7 @@ class Uploader:
                   "updated_at": time.time(), "progress": progress,
                   "committed_step": max((s for s, _ in newest), default=None),
                   "attempts": self.attempts}
-        self.may_write()
-        s3lib.put_json(self.s3, self.run, self.run.key("status.json"), status, self.retry)
+        s3lib.put_json(self.s3, self.run, self.run.key("status.json"), status, self.write)
         (self.state_dir / "attempt.json").write_text(json.dumps(self.attempts))
 
     def write_complete(self) -> bool:
@@ -293,9 +305,8 @@ class Uploader:
                    "best_val_loss": progress.get("best_val_loss"), "best_step": progress.get("best_step"),
                    "attempts": len(self.attempts), "wall_seconds": round(seconds, 1),
                    "completed_at": time.time(), "pod": self.attempt["pod"]}
-        self.may_write()
         log("uploader", "writing COMPLETE...")
-        s3lib.put_json(self.s3, self.run, self.run.key("COMPLETE"), summary, self.retry)
+        s3lib.put_json(self.s3, self.run, self.run.key("COMPLETE"), summary, self.write)
         log("uploader", f"wrote {self.run}COMPLETE: {json.dumps(summary)}")
         return True
 
@@ -321,9 +332,10 @@ def watch(uploader: Uploader, interval: float) -> int:
             log("uploader", f"error: {err}")
             os.kill(os.getppid(), signal.SIGTERM)  # the bootstrap stops the trainer
             return EXIT_LEASE_LOST
-        except (s3lib.Unavailable, s3lib.BadInput) as err:
+        except Exception as err:  # noqa: BLE001 - whatever it is, this loop must not die silently
             backoff = min(60.0, max(2.0, backoff * 2))
-            log("uploader", f"warning: {err}; training goes on, next try in {backoff:.0f}s")
+            what = str(err) if isinstance(err, (s3lib.Unavailable, s3lib.BadInput)) else repr(err)
+            log("uploader", f"warning: {what}; training goes on, next try in {backoff:.0f}s")
         stopping.wait(backoff * random.uniform(0.5, 1.0) if backoff else POLL_SECONDS)
     return 0
 
@@ -344,7 +356,7 @@ def final(uploader: Uploader, exit_code: int) -> int:
         log("uploader", f"error: {err}; nothing more is uploaded")
         return EXIT_LEASE_LOST
     uploader.keeper.stop()
-    uploader.keeper.lease.release()
+    uploader.keeper.lease.release(uploader.retry)
     log("uploader", f"final upload done in {time.monotonic() - started:.1f}s")
     return 0
 
@@ -406,7 +418,7 @@ def main(argv: list[str]) -> int:
     run, out = Location.parse(argv[1]), Path(argv[2])
     if argv[0] == "watch":
         # Short retry rounds: the loop itself backs off and tries again, forever.
-        uploader = Uploader(run, out, retry_seconds=30)
+        uploader = Uploader(run, out, retry_seconds=float(os.environ.get("UPLOAD_RETRY_SECONDS", "30")))
         interval = float(os.environ.get("SYNC_INTERVAL_SECONDS", "60"))
         return s3lib.main_guard("uploader", lambda: watch(uploader, interval))
     uploader = Uploader(run, out, retry_seconds=s3lib.retry_seconds())

@@ -1,0 +1,104 @@
+"""The pod's background uploader on its own: it outlives S3 outages, and its retention in S3 never
+takes the checkpoint this pod trains from."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import checkpoint
+from podlab import BUCKET, ROOT
+from s3_fault_proxy import FaultProxy
+
+JOB = ROOT / "job"
+
+
+def commit(out: Path, step: int, keep: int = 2) -> None:
+    with checkpoint.stage(out / "checkpoints" / checkpoint.step_dir_name(step)) as staged:
+        with staged.open("model.pt") as file:
+            file.write(os.urandom(2048))
+        staged.commit(meta={"step": step, "keep": keep})
+
+
+def uploader_env(tmp_path: Path, endpoint: str) -> dict:
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    return {**os.environ, "AWS_ENDPOINT_URL": endpoint, "STATE_DIR": str(state), "CODE_DIR": str(ROOT / "code"),
+            "LEASE_TTL_SECONDS": "4", "SYNC_INTERVAL_SECONDS": "1", "UPLOAD_RETRY_SECONDS": "3",
+            "PYTHONUNBUFFERED": "1"}
+
+
+def take_lease(env: dict, uri: str) -> None:
+    result = subprocess.run([sys.executable, str(JOB / "lease.py"), "acquire", uri, f"{env['STATE_DIR']}/lease.json"],
+                            env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def committed_in_s3(s3, prefix: str) -> set[int]:
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])]
+    return {checkpoint.parse_step(k.split("/")[-2]) for k in keys if k.endswith("/manifest.json") and "step-" in k}
+
+
+def wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_watcher_outlives_an_outage_longer_than_its_lease_and_catches_up(s3, s3_endpoint, tmp_path):
+    out, uri = tmp_path / "out", f"s3://{BUCKET}/runs/outage/"
+    commit(out, 5)
+    log = tmp_path / "pod.log"
+    log.write_text("a line\n")
+    with FaultProxy(upstream=s3_endpoint, seed=3) as proxy:
+        env = {**uploader_env(tmp_path, proxy.url), "LOG_FILE": str(log)}
+        take_lease(env, uri)
+        watcher = subprocess.Popen([sys.executable, str(JOB / "uploader.py"), "watch", uri, str(out)], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert wait_until(lambda: committed_in_s3(s3, "runs/outage/") == {5}, 30)
+            proxy.configure(outage=True)
+            for second in range(15):  # longer than the lease's ttl: renewals fail, so does every write
+                with log.open("a") as file:
+                    file.write(f"the trainer logs on, {second}\n")
+                time.sleep(1)
+            assert watcher.poll() is None, "the uploader died in the outage"
+            proxy.configure(outage=False)
+            commit(out, 10)
+            assert wait_until(lambda: 10 in committed_in_s3(s3, "runs/outage/"), 60), "no catching up"
+        finally:
+            watcher.send_signal(signal.SIGTERM)
+            output = watcher.communicate(timeout=60)[0]
+    assert watcher.returncode == 0, output
+    assert "Traceback" not in output, output
+    assert "training goes on" in output, "rounds failed, the loop backed off and went on"
+
+
+def test_retention_keeps_the_checkpoint_this_pod_restored_when_a_newer_one_is_damaged(s3, s3_endpoint, tmp_path):
+    out, uri = tmp_path / "out", f"s3://{BUCKET}/runs/lineage/"
+    commit(out, 5, keep=1)  # what this pod restored and trains from
+    manifest = (out / "checkpoints" / "step-00000005" / "manifest.json").read_bytes()
+    for key, body in {"model.pt": (out / "checkpoints" / "step-00000005" / "model.pt").read_bytes(),
+                      "manifest.json": manifest}.items():
+        s3.put_object(Bucket=BUCKET, Key=f"runs/lineage/checkpoints/step-00000005/{key}", Body=body)
+    damaged = json.loads(manifest)
+    damaged["files"]["model.pt"]["sha256"] = "0" * 64  # a newer step whose files do not match
+    s3.put_object(Bucket=BUCKET, Key="runs/lineage/checkpoints/step-00000010/manifest.json",
+                  Body=json.dumps(damaged).encode())
+    env = uploader_env(tmp_path, s3_endpoint)
+    take_lease(env, uri)
+    watcher = subprocess.Popen([sys.executable, str(JOB / "uploader.py"), "watch", uri, str(out)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(4)
+    watcher.send_signal(signal.SIGTERM)
+    output = watcher.communicate(timeout=60)[0]
+    assert watcher.returncode == 0, output
+    assert committed_in_s3(s3, "runs/lineage/") == {5, 10}, output
