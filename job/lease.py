@@ -35,7 +35,7 @@ KEY = "lease.json"
 EXIT_COMPLETE = 3
 
 
-class LeaseLost(Exception):
+class LeaseLost(s3lib.Stop):
     """Another pod holds the lease now: this one must not write."""
 
 
@@ -130,26 +130,16 @@ class Lease:
 
     def renew(self) -> None:
         """Prove the lease is still ours and push its expiry. LeaseLost if another pod has it;
-        s3.Unavailable when S3 cannot say (then this pod must not write, but may try again)."""
+        S3's own error when S3 cannot say (then this pod must not write; an s3.retrying sorts it)."""
         with self._lock:
-            try:
-                self._renew()
-            except (LeaseLost, s3lib.BadInput):
-                raise
-            except Exception as err:  # noqa: BLE001 - sorted right here, like s3.retrying does
-                if s3lib.is_transient(err):
-                    raise s3lib.Unavailable(f"lease renewal: {s3lib.explain(err, self.run.bucket)}") from None
-                raise s3lib.BadInput(f"lease renewal: {s3lib.explain(err, self.run.bucket)}") from None
-
-    def _renew(self) -> None:
-        if self._put(if_match=self.etag):
-            return
-        current = self._read()
-        if current and current[0] == self.holder:  # a retried renewal whose first try landed
-            self.etag, self.renewed = current[1], time.monotonic() - current[2]
-            return
-        raise LeaseLost(f"another pod ({current[0] if current else 'none'}) holds the lease on "
-                        f"{self.run} now; this pod stops writing there")
+            if self._put(if_match=self.etag):
+                return
+            current = self._read()
+            if current and current[0] == self.holder:  # a retried renewal whose first try landed
+                self.etag, self.renewed = current[1], time.monotonic() - current[2]
+                return
+            raise LeaseLost(f"another pod ({current[0] if current else 'none'}) holds the lease on "
+                            f"{self.run} now; this pod stops writing there")
 
     def ensure_fresh(self, retry=None) -> None:
         """Before a write: the lease was renewed within ttl/2, or is renewed now (through `retry`,
@@ -166,6 +156,8 @@ class Lease:
             if current is None or current[0] != self.holder:
                 return
             call(self._delete, current[1])
+        if self.path:  # the pod's finish must not think it still holds it
+            self.path.unlink(missing_ok=True)
 
     def _delete(self, etag: str) -> None:
         try:
@@ -175,7 +167,10 @@ class Lease:
                 raise
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"holder": self.holder, "etag": self.etag}))
+        """Atomically: the keeper thread saves while the process may be exiting."""
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps({"holder": self.holder, "etag": self.etag}))
+        os.replace(partial, path)
 
     @classmethod
     def load(cls, s3, run: Location, path: Path) -> "Lease":
@@ -232,7 +227,8 @@ def main(argv: list[str]) -> int:
     def run() -> int:
         where = Location.parse(argv[1])
         holder = f"{os.environ.get('HOSTNAME', 'pod')}/{uuid.uuid4().hex[:8]}"
-        lease = Lease(s3lib.client(), where, holder, ttl_seconds())
+        # Saved the moment it is taken: a SIGTERM right after must still let the pod release it.
+        lease = Lease(s3lib.client(), where, holder, ttl_seconds(), path=Path(argv[2]))
         started = time.monotonic()
         if not lease.acquire(float(os.environ.get("LEASE_WAIT_SECONDS", "3600"))):
             log("lease", f"{where} became COMPLETE while waiting: nothing to do")

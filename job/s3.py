@@ -47,6 +47,10 @@ class Unavailable(Exception):
     """S3 stayed unreachable past the retry bound: exit 75."""
 
 
+class Stop(Exception):
+    """Not an S3 failure: this pod must stop writing (lease.LeaseLost). Retries pass it on."""
+
+
 def log(name: str, message: str) -> None:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     print(f"{stamp} {name}: {message}", flush=True)
@@ -158,7 +162,7 @@ class _Retrying:
     def __call__(self, fn, *args, **kwargs):
         try:
             return self.retrying(fn, *args, **kwargs)
-        except (BadInput, ValueError):  # ValueError: an answer that is not what it should be
+        except (BadInput, Unavailable, Stop, ValueError):  # sorted already; ValueError: a bad answer
             raise
         except Exception as err:  # noqa: BLE001 - sorted into the two outcomes right here
             if is_transient(err):

@@ -337,6 +337,8 @@ def watch(uploader: Uploader, interval: float) -> int:
             what = str(err) if isinstance(err, (s3lib.Unavailable, s3lib.BadInput)) else repr(err)
             log("uploader", f"warning: {what}; training goes on, next try in {backoff:.0f}s")
         stopping.wait(backoff * random.uniform(0.5, 1.0) if backoff else POLL_SECONDS)
+    uploader.keeper.stop()
+    uploader.keeper.join(timeout=5)  # not mid-renewal when `final` takes over
     return 0
 
 
@@ -350,15 +352,14 @@ def final(uploader: Uploader, exit_code: int) -> int:
         uploader.attempt.update(ended_at=time.time(), exit_code=exit_code)
         uploader.write_status(_state_for(exit_code))
         uploader.sync_growing_files()
-        if exit_code == 0 and not uploader.write_complete():
-            return s3lib.EXIT_UNAVAILABLE
+        code = 0 if exit_code != 0 or uploader.write_complete() else s3lib.EXIT_UNAVAILABLE
     except LeaseLost as err:
         log("uploader", f"error: {err}; nothing more is uploaded")
         return EXIT_LEASE_LOST
     uploader.keeper.stop()
     uploader.keeper.lease.release(uploader.retry)
     log("uploader", f"final upload done in {time.monotonic() - started:.1f}s")
-    return 0
+    return code
 
 
 def _state_for(exit_code: int) -> str:

@@ -154,6 +154,24 @@ def test_expired_lease_is_taken_over_and_its_old_holder_stops_writing(s3, s3_end
     assert "takeover/lease.json" not in [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
 
 
+def test_lease_renewal_rides_out_a_short_outage_and_a_lost_lease_is_never_retried(s3, s3_endpoint):
+    where = s3lib.Location.parse(f"s3://{BUCKET}/renewal/")
+    with FaultProxy(upstream=s3_endpoint, seed=5) as proxy:
+        lease = leaselib.Lease(boto3.client("s3", endpoint_url=proxy.url), where, "this-pod", ttl=60)
+        assert lease.acquire(wait_seconds=5)
+        lease.renewed = 0.0  # stale: the next write must renew first
+        proxy.configure(outage_seconds=3)
+        lease.ensure_fresh(s3lib.retrying("renewal", BUCKET, seconds=60))
+        assert time.monotonic() - lease.renewed < 5, "renewed once S3 was back"
+        assert proxy.stats()["by_outcome"].get("outage", 0) >= 1, "the outage was hit"
+        s3.put_object(Bucket=BUCKET, Key="renewal/lease.json", Body=b'{"holder": "other-pod"}')
+        lease.renewed = 0.0
+        proxy.reset_stats()
+        with pytest.raises(leaselib.LeaseLost, match="other-pod"):
+            lease.ensure_fresh(s3lib.retrying("renewal", BUCKET, seconds=60))
+        assert proxy.stats()["total"] == 2, "one refused renewal, one read: no retries"
+
+
 def test_secrets_appear_nowhere_in_output_logs_or_uploads(run, monkeypatch):
     access_key = "AKIA" + "".join(secrets.choice(string.ascii_uppercase + string.digits) for _ in range(16))
     secret_key = secrets.token_urlsafe(30)

@@ -1,5 +1,5 @@
-"""The pod's background uploader on its own: it outlives S3 outages, and its retention in S3 never
-takes the checkpoint this pod trains from."""
+"""The pod's background uploader on its own: it outlives S3 outages, its retention in S3 never
+takes the checkpoint this pod trains from, and it stops writing the moment its lease is taken."""
 
 from __future__ import annotations
 
@@ -40,8 +40,12 @@ def take_lease(env: dict, uri: str) -> None:
 
 
 def committed_in_s3(s3, prefix: str) -> set[int]:
-    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])]
-    return {checkpoint.parse_step(k.split("/")[-2]) for k in keys if k.endswith("/manifest.json") and "step-" in k}
+    return {checkpoint.parse_step(k.split("/")[-2]) for k in keys_in_s3(s3, prefix)
+            if k.endswith("/manifest.json") and "step-" in k}
+
+
+def keys_in_s3(s3, prefix: str) -> list[str]:
+    return [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])]
 
 
 def wait_until(condition, timeout: float) -> bool:
@@ -93,12 +97,38 @@ def test_retention_keeps_the_checkpoint_this_pod_restored_when_a_newer_one_is_da
     damaged["files"]["model.pt"]["sha256"] = "0" * 64  # a newer step whose files do not match
     s3.put_object(Bucket=BUCKET, Key="runs/lineage/checkpoints/step-00000010/manifest.json",
                   Body=json.dumps(damaged).encode())
+    s3.put_object(Bucket=BUCKET, Key="runs/lineage/checkpoints/step-00000001/model.pt", Body=b"leftover")
     env = uploader_env(tmp_path, s3_endpoint)
     take_lease(env, uri)
     watcher = subprocess.Popen([sys.executable, str(JOB / "uploader.py"), "watch", uri, str(out)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(4)
-    watcher.send_signal(signal.SIGTERM)
-    output = watcher.communicate(timeout=60)[0]
+    try:  # an uncommitted leftover is retention's to delete: once it is gone, retention has run
+        assert wait_until(lambda: not keys_in_s3(s3, "runs/lineage/checkpoints/step-00000001/"), 30)
+    finally:
+        watcher.send_signal(signal.SIGTERM)
+        output = watcher.communicate(timeout=60)[0]
     assert watcher.returncode == 0, output
     assert committed_in_s3(s3, "runs/lineage/") == {5, 10}, output
+
+
+def test_watcher_whose_lease_is_taken_stops_writing_and_stops_the_pod(s3, s3_endpoint, tmp_path):
+    out, uri = tmp_path / "out", f"s3://{BUCKET}/runs/taken/"
+    commit(out, 5)
+    env = uploader_env(tmp_path, s3_endpoint)
+    take_lease(env, uri)
+    # The watcher's parent stands in for the bootstrap, which the watcher asks to stop.
+    parent = subprocess.Popen(
+        ["bash", "-c", 'trap "echo bootstrap got SIGTERM" TERM; "$@" & child=$!; wait $child; wait $child; '
+                       'echo "watcher exited $?"', "bash", sys.executable, str(JOB / "uploader.py"), "watch", uri,
+         str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_until(lambda: committed_in_s3(s3, "runs/taken/") == {5}, 30)
+        usurper = {"holder": "other-pod/1234", "ttl_seconds": 4, "renewed_at": time.time()}
+        s3.put_object(Bucket=BUCKET, Key="runs/taken/lease.json", Body=json.dumps(usurper).encode())
+        output = parent.communicate(timeout=60)[0]
+    finally:
+        parent.kill()
+    assert "bootstrap got SIGTERM" in output and "watcher exited 75" in output, output
+    assert "another pod (other-pod/1234) holds the lease" in output, output
+    lease = json.loads(s3.get_object(Bucket=BUCKET, Key="runs/taken/lease.json")["Body"].read())
+    assert lease["holder"] == "other-pod/1234", "the usurper's lease was overwritten"
