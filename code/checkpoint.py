@@ -148,9 +148,15 @@ def read_manifest(folder: Path) -> dict | None:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        return None
-    return manifest
+    return manifest if is_manifest(manifest) else None
+
+
+def is_manifest(value) -> bool:
+    """The shape of a manifest, wherever it was read from: each file with its size and sha256."""
+    files = value.get("files") if isinstance(value, dict) else None
+    return isinstance(files, dict) and all(
+        isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+        for e in files.values())
 
 
 def is_committed(folder: Path) -> bool:

@@ -44,8 +44,9 @@ def restore(s3, run: Location, out: Path) -> str | None:
         if manifest is None:
             log("restore", f"{name} in S3 has no manifest.json: never committed, ignored")
             continue
-        if not isinstance(manifest.get("files"), dict):
-            log("restore", f"warning: {name} in S3 is damaged (its manifest lists no files); trying the one before it")
+        if not checkpoint.is_manifest(manifest):
+            log("restore", f"warning: {name} in S3 is damaged (its manifest does not list files with "
+                           "size and sha256); trying the one before it")
             continue
         if checkpoint.verify(local_root / name) is None:
             log("restore", f"{name} is already here and whole")

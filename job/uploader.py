@@ -127,8 +127,11 @@ class Uploader:
             try:
                 manifest, _ = s3lib.get_json(self.s3, self.ckpts, self.ckpts.key(name, checkpoint.MANIFEST), self.retry)
             except ValueError:
-                manifest = {"files": {}}
-            self.remote[name] = manifest.get("files", {}) if manifest else None
+                manifest = {}
+            if manifest is None:
+                self.remote[name] = None
+            else:
+                self.remote[name] = manifest["files"] if checkpoint.is_manifest(manifest) else {}
         return self.remote[name]
 
     def upload_checkpoint(self, folder: Path) -> bool:

@@ -15,11 +15,13 @@ import boto3
 import pytest
 
 import chaos
+import checkpoint
 from podlab import BUCKET, ROOT, Run
 from s3_fault_proxy import FaultProxy
 
 sys.path.insert(0, str(ROOT / "job"))
 import lease as leaselib  # noqa: E402
+import restore as restorelib  # noqa: E402
 import s3 as s3lib  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")
@@ -170,6 +172,21 @@ def test_lease_renewal_rides_out_a_short_outage_and_a_lost_lease_is_never_retrie
         with pytest.raises(leaselib.LeaseLost, match="other-pod"):
             lease.ensure_fresh(s3lib.retrying("renewal", BUCKET, seconds=60))
         assert proxy.stats()["total"] == 2, "one refused renewal, one read: no retries"
+
+
+@pytest.mark.parametrize("manifest", [b"[]", b'"text"', b'{"files": {"model.pt": "abc"}}', b'{"files": []}'])
+def test_restore_skips_a_manifest_of_the_wrong_shape_and_takes_the_one_before(s3, tmp_path, manifest):
+    where = s3lib.Location.parse(f"s3://{BUCKET}/shapes/")
+    good = tmp_path / "made" / "step-00000005"
+    with checkpoint.stage(good) as staged:
+        with staged.open("model.pt") as file:
+            file.write(b"weights")
+        staged.commit(meta={"step": 5})
+    for path in good.iterdir():
+        s3.put_object(Bucket=BUCKET, Key=f"shapes/checkpoints/step-00000005/{path.name}", Body=path.read_bytes())
+    s3.put_object(Bucket=BUCKET, Key="shapes/checkpoints/step-00000010/manifest.json", Body=manifest)
+    assert restorelib.restore(s3, where, tmp_path / "out") == "step-00000005"
+    assert checkpoint.verify(tmp_path / "out" / "checkpoints" / "step-00000005") is None
 
 
 def test_secrets_appear_nowhere_in_output_logs_or_uploads(run, monkeypatch):
