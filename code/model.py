@@ -15,18 +15,6 @@ import torch.nn.functional as F
 from config import ModelConfig
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1)."""
-
-    def __init__(self, ndim: int, bias: bool):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -62,9 +50,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln_1 = LayerNorm(cfg.n_embd, cfg.bias)
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = LayerNorm(cfg.n_embd, cfg.bias)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +69,7 @@ class GPT(nn.Module):
             wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
             drop=nn.Dropout(cfg.dropout),
             h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-            ln_f=LayerNorm(cfg.n_embd, cfg.bias),
+            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied: one matrix, embedding and output
@@ -99,12 +87,9 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameters, without the position embeddings by default (as GPT-2 counts them)."""
-        count = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            count -= self.transformer.wpe.weight.numel()
-        return count
+    def num_params(self) -> int:
+        """Parameters, without the position embeddings (as GPT-2 counts them)."""
+        return sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         B, T = idx.size()

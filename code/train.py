@@ -68,6 +68,7 @@ class Runtime:
     local_rank: int
     world_size: int
     device: torch.device
+    cpu_group: object = None  # collectives of CPU tensors; None: the default group (gloo)
 
     @property
     def ddp(self) -> bool:
@@ -92,6 +93,8 @@ class Runtime:
             torch.backends.cudnn.allow_tf32 = True
         if self.ddp:
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
+            if self.device.type == "cuda":  # a per-step flag over NCCL would drain the GPU queue
+                self.cpu_group = dist.new_group(backend="gloo")
 
     def stop(self) -> None:
         if self.ddp and dist.is_initialized():
@@ -175,8 +178,8 @@ class StopSignal:
         """The signal number if any process got one, else 0. A collective: every rank calls it."""
         if not rt.ddp:
             return self.signum
-        flag = torch.tensor([self.signum], device=rt.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([self.signum])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=rt.cpu_group)
         return int(flag.item())
 
 
@@ -262,7 +265,8 @@ class Trainer:
             dist.broadcast_object_list(box, src=0)
             name = box[0]
         if name is None:
-            log("no committed checkpoint: starting from step 0")
+            if self.rt.master:
+                log("no committed checkpoint: starting from step 0")
             return
         self._load_from(self.ckpt_root / name)
 
@@ -292,7 +296,8 @@ class Trainer:
         self.best_step = state["best_step"]
         self.val_loss = state.get("val_loss")
         self.train_loss = state.get("train_loss")
-        log(f"resumed from {folder.name} (step {self.step}) in {time.monotonic() - started:.1f}s")
+        if self.rt.master:
+            log(f"resumed from {folder.name} (step {self.step}) in {time.monotonic() - started:.1f}s")
         if self.rt.master and self.best_step == self.step:
             # A pod that died between committing this step and linking it as best/ left best/ behind.
             self._link_best(folder)
@@ -375,7 +380,9 @@ class Trainer:
                 self.step += 1
                 self.heartbeat.beat()
                 meter.after_step(loss)
+                paused = time.monotonic()
                 self._evaluate_and_save(model)
+                meter.since += time.monotonic() - paused  # speed is of training steps alone
                 signum = self.stop.agreed(self.rt)
                 if signum:
                     return self._stop_for(signum)

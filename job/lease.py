@@ -230,7 +230,7 @@ def main(argv: list[str]) -> int:
         # Saved the moment it is taken: a SIGTERM right after must still let the pod release it.
         lease = Lease(s3lib.client(), where, holder, ttl_seconds(), path=Path(argv[2]))
         started = time.monotonic()
-        if not lease.acquire(float(os.environ.get("LEASE_WAIT_SECONDS", "3600"))):
+        if not lease.acquire(float(os.environ.get("LEASE_WAIT_SECONDS", "3000"))):
             log("lease", f"{where} became COMPLETE while waiting: nothing to do")
             return EXIT_COMPLETE
         lease.save(Path(argv[2]))

@@ -280,7 +280,12 @@ s3_sync_down() {
   fi
 }
 
-folder_size() { find "$1" -type f -printf '%s\n' | awk '{n++; b+=$1} END {printf "%d %d\n", n, b}'; }
+# Files and bytes under a folder; the code folder (WORK_DIR) holds the pod's own folders too.
+folder_size() {
+  local dir=${1%/}
+  find "${dir}" \( -path "${dir}/data" -o -path "${dir}/out" -o -path "${dir}/.pod" -o -path "${dir}/.venv-*" \) \
+    -prune -o -type f -printf '%s\n' | awk '{n++; b+=$1} END {printf "%d %d\n", n, b}'
+}
 
 sync_down() {
   local what=$1 uri=$2 dest=$3 started before after files bytes ms

@@ -43,13 +43,12 @@ main() {
   [[ $# -eq 1 || ( $# -eq 4 && "$2" == --data ) ]] ||
     die "usage: scripts/stage.sh S3_CODE_URI [--data DIR S3_DATA_URI]"
   command -v aws >/dev/null || die "aws not found; run ./scripts/test.sh once (it makes .venv) or install awscli"
-  local root code_uri
+  local root code_uri data_uri=""
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   code_uri=$(check_uri "$1")
+  [[ $# -eq 1 ]] || data_uri=$(check_uri "$4")  # both checked before anything is uploaded
   stage_code "${root}" "${code_uri}"
-  if [[ $# -eq 4 ]]; then
-    stage_data "$3" "$(check_uri "$4")"
-  fi
+  [[ -z "${data_uri}" ]] || stage_data "$3" "${data_uri}"
 }
 
 main "$@"

@@ -122,6 +122,16 @@ def test_no_script_traces_commands():
         assert not re.search(r"^\s*set\s+-[a-z]*x|set -o xtrace|bash -x", text, re.M), name
 
 
+def test_stage_checks_every_uri_before_uploading_anything(tmp_path):
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+           "AWS_MAX_ATTEMPTS": "1", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x"}
+    result = subprocess.run([str(ROOT / "scripts" / "stage.sh"), "s3://a-bucket/code/", "--data", str(tmp_path),
+                             "https://a-bucket/data/"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 64
+    assert result.stderr.splitlines() == ["stage.sh: error: https://a-bucket/data/ is not an s3://bucket/prefix/ URI"]
+    assert "staged code" not in result.stdout
+
+
 def test_configmap_renders_from_job_folder_with_kubectl():
     result = subprocess.run([str(VENV_BIN / "kubectl"), "create", "configmap", "script-configmap",
                              f"--from-file={ROOT / 'job'}", "--dry-run=client", "-o", "yaml"],
