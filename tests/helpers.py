@@ -30,25 +30,23 @@ def train_env(**extra: str) -> dict:
 
 
 def run_until(command: list[str], stop_when: str | None = None, send: int = signal.SIGKILL,
-              delay: float = 0.0, env: dict | None = None, timeout: float = 300) -> tuple[int, str, float]:
+              delay: float = 0.0, env: dict | None = None, timeout: float = 300) -> tuple[int, str]:
     """Run a command; if a line containing `stop_when` appears, wait `delay` s and send the signal
-    to its whole process group. Returns (exit code, output, seconds from signal to exit)."""
+    to its whole process group. Returns (exit code, output)."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env or train_env(), start_new_session=True)
-    lines, signalled_at = [], None
+    lines, signalled = [], False
     deadline = time.monotonic() + timeout
     for line in proc.stdout:
         lines.append(line)
-        if stop_when and signalled_at is None and stop_when in line:
+        if stop_when and not signalled and stop_when in line:
             time.sleep(delay)
-            signalled_at = time.monotonic()
+            signalled = True
             os.killpg(proc.pid, send) if send == signal.SIGKILL else proc.send_signal(send)
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             raise TimeoutError("".join(lines[-30:]))
-    code = proc.wait()
-    took = time.monotonic() - signalled_at if signalled_at else 0.0
-    return code, "".join(lines), took
+    return proc.wait(), "".join(lines)
 
 
 def sha256(path: Path) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -104,13 +103,11 @@ def test_pod_deletion_leaves_a_checkpoint_of_the_current_step_in_s3(run):
 def test_run_after_complete_exits_at_once_without_touching_s3(run):
     assert run.run()[0] == 0
     before = run.keys()
-    started = time.monotonic()
     code, pod = run.run()
     assert code == 0
     assert "COMPLETE exists: this run is finished" in pod.output
-    assert "torchrun" not in pod.output
+    assert "sync code" not in pod.output and "torchrun" not in pod.output, "at once: nothing synced or run"
     assert run.keys() == before
-    assert time.monotonic() - started < 30
 
 
 def test_checkpoint_in_s3_without_manifest_is_ignored(run, reference_sha):
