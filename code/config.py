@@ -119,6 +119,11 @@ class Config:
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     system: SystemConfig = dataclasses.field(default_factory=SystemConfig)
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens in one optimizer step, all processes together (grad_accum_steps is the total)."""
+        return self.train.grad_accum_steps * self.train.batch_size * self.model.block_size
+
     def check(self) -> None:
         for group in dataclasses.fields(self):
             getattr(self, group.name).check()

@@ -477,9 +477,8 @@ class Trainer:
 
     def _describe(self, start_step: int) -> None:
         cfg = self.cfg
-        tokens = cfg.train.grad_accum_steps * cfg.train.batch_size * cfg.model.block_size
         log(f"model: {self.raw_model.num_params() / 1e6:.2f}M parameters, {cfg.model.n_layer} layers, "
-            f"device {self.rt.device.type}, {self.rt.world_size} process(es), {tokens:,} tokens/step, "
+            f"device {self.rt.device.type}, {self.rt.world_size} process(es), {cfg.tokens_per_step:,} tokens/step, "
             f"steps {start_step + 1}..{cfg.train.max_steps}")
 
     def _write_progress(self) -> None:
@@ -500,8 +499,8 @@ class Meter:
     def __init__(self, trainer: Trainer, start_step: int):
         self.t = trainer
         cfg = trainer.cfg
-        self.tokens_per_step = cfg.train.grad_accum_steps * cfg.train.batch_size * cfg.model.block_size
-        self.peak_flops = peak_flops(trainer.rt.device, cfg.system.peak_tflops) * trainer.rt.world_size
+        peak = peak_flops(trainer.rt.device, cfg.system.peak_tflops, cfg.system.dtype)
+        self.peak_flops = peak * trainer.rt.world_size
         self.flops_per_token = trainer.raw_model.flops_per_token()
         self.since = time.monotonic()
         self.steps = 0
@@ -514,7 +513,7 @@ class Meter:
         loss_value = self.t.rt.mean(loss)  # .item() waits for the GPU, so the timing below is real
         elapsed = time.monotonic() - self.since
         ms_per_step = 1000 * elapsed / self.steps
-        tokens_per_sec = self.tokens_per_step * self.steps / elapsed
+        tokens_per_sec = self.t.cfg.tokens_per_step * self.steps / elapsed
         self.since, self.steps = time.monotonic(), 0
         self.t.train_loss = loss_value
         if not self.t.rt.master:
@@ -536,11 +535,12 @@ class Meter:
         self.t.writer.add_scalar("tokens_per_sec", tokens_per_sec, step)
 
 
-def peak_flops(device: torch.device, override_tflops: float) -> float:
-    """Peak bf16 FLOP/s of one GPU, or 0 where unknown (then no MFU is shown rather than a guess)."""
+def peak_flops(device: torch.device, override_tflops: float, dtype: str = "bfloat16") -> float:
+    """Peak bf16 FLOP/s of one GPU, or 0 where unknown or not bf16 (then no MFU is shown rather
+    than a guess)."""
     if override_tflops:
         return override_tflops * 1e12
-    if device.type != "cuda":
+    if device.type != "cuda" or dtype != "bfloat16":
         return 0.0
     name = torch.cuda.get_device_name(device)
     for marker, tflops in PEAK_BF16_TFLOPS:

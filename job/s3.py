@@ -116,7 +116,7 @@ def is_transient(err: BaseException) -> bool:
         code, status = error_code(err), http_status(err)
         return code not in _PERMANENT and status != 501 and (
             status >= 500 or status in (0, 408, 429) or code in ("SlowDown", "RequestTimeout", "Throttling"))
-    return isinstance(err, (botocore.exceptions.BotoCoreError, ConnectionError, TimeoutError, OSError))
+    return isinstance(err, (botocore.exceptions.BotoCoreError, OSError))  # OSError: resets, timeouts
 
 
 def explain(err: BaseException, bucket: str) -> str:
@@ -196,29 +196,18 @@ def put_json(s3, where: Location, key: str, value: dict, retry) -> None:
 
 def list_prefixes(s3, where: Location, retry) -> list[str]:
     """Names of the 'folders' right under a location."""
-    names = []
-    paginator = s3.get_paginator("list_objects_v2")
-
-    def collect():
-        names.clear()
-        for page in paginator.paginate(Bucket=where.bucket, Prefix=where.prefix, Delimiter="/"):
-            names.extend(p["Prefix"][len(where.prefix):].rstrip("/") for p in page.get("CommonPrefixes", []))
-        return names
-
-    return retry(collect)
+    return [p["Prefix"][len(where.prefix):].rstrip("/")
+            for page in _pages(s3, where, retry, Delimiter="/") for p in page.get("CommonPrefixes", [])]
 
 
 def list_objects(s3, where: Location, retry) -> list[dict]:
-    found = []
+    return [item for page in _pages(s3, where, retry) for item in page.get("Contents", [])]
+
+
+def _pages(s3, where: Location, retry, **options) -> list[dict]:
+    """Every page of a listing, retried as a whole."""
     paginator = s3.get_paginator("list_objects_v2")
-
-    def collect():
-        found.clear()
-        for page in paginator.paginate(Bucket=where.bucket, Prefix=where.prefix):
-            found.extend(page.get("Contents", []))
-        return found
-
-    return retry(collect)
+    return retry(lambda: list(paginator.paginate(Bucket=where.bucket, Prefix=where.prefix, **options)))
 
 
 def main_guard(name: str, run) -> int:

@@ -225,7 +225,7 @@ class Uploader:
         name = checkpoint.step_dir_name(step)
         manifest = self.ckpts.key(name, checkpoint.MANIFEST)
         if manifest in keys:  # uncommit first: a half-deleted folder must not look whole
-            self.write(self.s3.delete_object, Bucket=self.run.bucket, Key=manifest)
+            self._uncommit(name)
         rest = [{"Key": k} for k in keys if k != manifest]
         for start in range(0, len(rest), 1000):
             self.write(self.s3.delete_objects, Bucket=self.run.bucket,
