@@ -25,9 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "code"))
-sys.path.insert(0, str(ROOT / "scripts" / "lib"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # podlab puts code/ there too
+from podlab import BUCKET, ROOT, Run, local_s3, venv_path  # noqa: E402
 
 
 def bench_checkpoint() -> None:
@@ -75,18 +74,13 @@ PHASE = re.compile(r"script: (.+): done in ([\d.]+)s")
 
 def bench_restart() -> None:
     import boto3
-    from moto.server import ThreadedMotoServer
 
-    from podlab import BUCKET, Run
+    os.environ["PATH"] = venv_path()
+    with local_s3() as endpoint:
+        measure_restart(boto3.client("s3", endpoint_url=endpoint), endpoint)
 
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    endpoint = "http://%s:%d" % server.get_host_and_port()
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
-    s3 = boto3.client("s3", endpoint_url=endpoint)
-    s3.create_bucket(Bucket=BUCKET)
+
+def measure_restart(s3, endpoint: str) -> None:
     folder = Path(tempfile.mkdtemp())
     run = Run(s3, endpoint, folder, name="bench", train__max_steps=2, checkpoint__interval=1, eval__interval=1,
               model__n_layer=4, model__n_embd=512, model__n_head=8, model__block_size=64).stage()
@@ -107,7 +101,6 @@ def bench_restart() -> None:
         print(f"  {name:<22} {seconds:5.1f} s")
     print(f"  start to training      {ready:5.1f} s")
     print(f"  plain `aws s3 cp` of the same checkpoint: {raw:.1f} s; restore/raw = {phases['restore checkpoint'] / raw:.2f}")
-    server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

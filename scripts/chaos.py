@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
-from podlab import Pod, Run  # noqa: E402
+from podlab import Pod, Run, local_s3  # noqa: E402
 
 # Phase: (line that starts it, longest delay after that line, in seconds).
 PHASES = {
@@ -209,15 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         return 64
 
     import boto3
-    from moto.server import ThreadedMotoServer
+    with local_s3() as endpoint:
+        s3 = boto3.client("s3", endpoint_url=endpoint)
+        return reference_then_chaos(s3, endpoint, args.kills, args.sigterms, args.seed)
 
-    os.environ.update(AWS_ACCESS_KEY_ID="chaos", AWS_SECRET_ACCESS_KEY="chaos", AWS_DEFAULT_REGION="us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    endpoint = "http://%s:%d" % server.get_host_and_port()
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
-    s3 = boto3.client("s3", endpoint_url=endpoint)
-    s3.create_bucket(Bucket="test-bucket")
+
+def reference_then_chaos(s3, endpoint: str, kills: int, sigterms: int, seed: int) -> int:
+    """The reference run, then the run under chaos; 0 when every check held."""
     folder = Path(tempfile.mkdtemp(prefix="chaos-"))
     started = time.monotonic()
     reference = Run(s3, endpoint, folder / "reference", name="reference", **CHAOS_CONFIG).stage()
@@ -226,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         print(pod.output[-3000:])
         return 1
     run = Run(s3, endpoint, folder / "chaos", name="chaos", **CHAOS_CONFIG).stage()
-    print(f"reference trained in {time.monotonic() - started:.0f}s; chaos (seed {args.seed}):")
+    print(f"reference trained in {time.monotonic() - started:.0f}s; chaos (seed {seed}):")
     try:
-        rows = run_chaos(run, schedule(args.kills, args.sigterms, args.seed), args.seed)
+        rows = run_chaos(run, schedule(kills, sigterms, seed), seed)
         final = CHAOS_CONFIG["train__max_steps"]
         assert run.model_sha(final) == reference.model_sha(final), "the final model differs from the reference"
     except AssertionError as err:
@@ -236,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(summary(rows))
     print(f"final model.pt bitwise identical to the uninterrupted run; {time.monotonic() - started:.0f}s in all")
-    server.stop()
     return 0
 
 

@@ -10,14 +10,13 @@ with any fake credentials. State lives in memory: it is gone when the server sto
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
-import boto3
-from moto.server import ThreadedMotoServer
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+from podlab import local_s3  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,26 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port-file", help="write the port here once listening")
     args = parser.parse_args(argv)
 
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=args.port, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                          aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", "local"),
-                          aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", "local"))
-    for bucket in args.bucket:
-        client.create_bucket(Bucket=bucket)
-    if args.port_file:
-        with open(args.port_file, "w") as file:
-            file.write(str(port))
-    print(f"local S3 at {endpoint} (buckets: {', '.join(args.bucket) or 'none'})", flush=True)
-
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    server.stop()
+    with local_s3(args.bucket, args.port, set_environ=False) as endpoint:
+        if args.port_file:
+            with open(args.port_file, "w") as file:
+                file.write(endpoint.rsplit(":", 1)[1])
+        print(f"local S3 at {endpoint} (buckets: {', '.join(args.bucket) or 'none'})", flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
     return 0
 
 

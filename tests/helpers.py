@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from podlab import CODE, ROOT, TINY_CONFIG, VENV_BIN, write_config, write_corpus  # noqa: F401
+from podlab import CODE, ROOT, TINY_CONFIG, VENV_BIN, venv_path, write_config, write_corpus  # noqa: F401
 
 def train_command(cfg: Path, data: Path, out: Path, nproc: int = 1, extra: tuple = ()) -> list[str]:
     args = ["--config", str(cfg), "--data_dir", str(data), "--output_dir", str(out), *extra]
@@ -24,7 +24,7 @@ def train_command(cfg: Path, data: Path, out: Path, nproc: int = 1, extra: tuple
 def train_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONUNBUFFERED"] = "1"
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = venv_path()
     env.update(extra)
     return env
 

@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -18,7 +17,7 @@ import boto3
 import pytest
 import yaml
 
-from podlab import BUCKET, JOB_YAML, ROOT, VENV_BIN, Run
+from podlab import BUCKET, JOB_YAML, ROOT, VENV_BIN, Run, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")]
 BOOKKEEPING = ("status.json", "lease.json")  # the run's own record of each attempt: updated by design
@@ -227,8 +226,10 @@ def locked_s3(tmp_path_factory):
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
     server = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "local_s3.py"), "--port-file", str(port_file)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not port_file.exists() or not port_file.read_text():
-        time.sleep(0.1)
+    started = wait_until(lambda: server.poll() is not None or port_file.exists() and port_file.read_text(), 60, 0.1)
+    if not started or server.poll() is not None:
+        server.kill()
+        pytest.fail(f"scripts/local_s3.py did not start (exit code {server.wait()})")
     endpoint = f"http://127.0.0.1:{port_file.read_text()}"
     admin = dict(endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="y")
     iam = boto3.client("iam", **admin)
@@ -244,13 +245,12 @@ def locked_s3(tmp_path_factory):
     ("no permissions", "access to s3://locked/code/ denied; give the pod's role or Secret s3:ListBucket"),
     ("unknown key", "access to s3://locked/code/ denied"),
 ])
-def test_s3_refusing_the_pod_exits_64(locked_s3, tmp_path, who, message, s3_endpoint, monkeypatch):
+def test_s3_refusing_the_pod_exits_64(locked_s3, tmp_path, who, message, s3_endpoint, monkeypatch, tool_path):
     endpoint, key_id, secret = locked_s3
     if who == "unknown key":
         key_id, secret = "AKIA0000000000000000", "not-a-real-secret"
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    monkeypatch.setenv("PATH", f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
     run = Run(None, endpoint, tmp_path, name="locked")
     pod = run.start(S3_CODE_URI="s3://locked/code/", S3_DATA_URI="s3://locked/data/",
                     S3_OUTPUT_URI="s3://locked/runs/r/")

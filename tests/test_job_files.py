@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, VENV_BIN
+from podlab import ROOT, VENV_BIN, tool_env
 
 JOB = yaml.safe_load((ROOT / "job.yaml").read_text())
 POD = JOB["spec"]["template"]["spec"]
@@ -123,7 +123,7 @@ def test_no_script_traces_commands():
 
 
 def test_stage_checks_every_uri_before_uploading_anything(tmp_path):
-    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+    env = {**tool_env(), "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
            "AWS_MAX_ATTEMPTS": "1", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x"}
     result = subprocess.run([str(ROOT / "scripts" / "stage.sh"), "s3://a-bucket/code/", "--data", str(tmp_path),
                              "https://a-bucket/data/"], env=env, capture_output=True, text=True, timeout=120)
@@ -164,7 +164,7 @@ def fake_wheel(folder: Path, name: str = "tinydep", version: str = "1.0") -> Pat
 
 def python_env(work: Path, *requirements: Path, **env: str) -> subprocess.CompletedProcess:
     """Run the pod's environment step; its `stdout` becomes the Python it chose."""
-    full = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", **env}
+    full = {**tool_env(), **env}
     chosen = work.parent / f"{work.name}.python"
     chosen.unlink(missing_ok=True)
     result = subprocess.run(["bash", str(ROOT / "job" / "python_env.sh"), str(work), str(chosen),

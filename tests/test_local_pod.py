@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+from podlab import ROOT, wait_until
+
 RUNNER = ROOT / "scripts" / "local_pod.py"
 POD_NAME = re.compile(r"local_pod: pod (demo-[a-z0-9]{5}): starting")
 
@@ -27,9 +28,8 @@ pytestmark = [
 
 
 @pytest.fixture(autouse=True)
-def runner_env(monkeypatch):
+def runner_env(monkeypatch, tool_path):
     """kubectl (for configMap volumes) on PATH, and a host variable that must not leak into pods."""
-    monkeypatch.setenv("PATH", str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
     monkeypatch.setenv("FOO", "host-only")
 
 
@@ -312,9 +312,7 @@ def test_active_deadline_kills_the_pod(tmp_path):
 def test_sigkill_on_the_pidfile_pid_is_a_lost_node(tmp_path):
     pidfile = tmp_path / "pid"
     proc = start_pod(write_job(tmp_path, "echo ready; sleep 60"), "--pidfile", str(pidfile))
-    deadline = time.monotonic() + 5
-    while not pidfile.exists() and time.monotonic() < deadline:  # written just after the exec
-        time.sleep(0.05)
+    assert wait_until(pidfile.exists, 5, interval=0.05)  # written just after the exec
     pid = int(pidfile.read_text())
     namespaced_pids = Path(f"/proc/{pid}/status").read_text().split("NSpid:")[1].split("\n")[0].split()
     assert namespaced_pids == [str(pid), "1"]  # the host pid of the pod's PID 1

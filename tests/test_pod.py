@@ -16,11 +16,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="th
 MAX_STEPS = 60
 
 
-@pytest.fixture
-def run(s3, s3_endpoint, tmp_path, tool_path):
-    return Run(s3, s3_endpoint, tmp_path).stage()
-
-
 @pytest.fixture(scope="module")
 def reference_cache():
     return {}

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from podlab import ROOT
+
 SCRIPT = ROOT / "scripts" / "prepare_data.py"
 EXIT_BAD_INPUT = 64
 EOT = "<|endoftext|>"

@@ -28,11 +28,6 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs 
 STEP_TIME = re.compile(r"^(\S+Z) train: step (\d+)/")
 
 
-@pytest.fixture
-def run(s3, s3_endpoint, tmp_path, tool_path):
-    return Run(s3, s3_endpoint, tmp_path).stage()
-
-
 def _epoch(stamp: str) -> float:
     return calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
 

@@ -1,6 +1,5 @@
 """scripts/s3_fault_proxy.py between real clients (AWS CLI, boto3, raw HTTP) and the moto S3."""
 
-import hashlib
 import json
 import os
 import signal
@@ -10,19 +9,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import boto3
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+from helpers import sha256
+from podlab import BUCKET, ROOT
+from s3_fault_proxy import FaultProxy
 
-from s3_fault_proxy import FaultProxy  # noqa: E402
-
-BUCKET = "test-bucket"
 CONNECTION_ERRORS = (ConnectionClosedError, EndpointConnectionError)
 # moto reads the access key from Authorization but checks no signature.
 FAKE_AUTH = ("AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/s3/aws4_request, "
@@ -55,10 +51,6 @@ def control(url, route, payload=None):
         return json.load(answer)
 
 
-def sha256_of(path):
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 # No faults: everything passes through unchanged
 
 
@@ -75,7 +67,7 @@ def test_aws_cli_copies_20mb_up_and_down_in_parts(proxy, aws_env, tool_path, tmp
         subprocess.run(["aws", "s3", "cp", "--only-show-errors", str(source), str(destination)],
                        env=env, check=True, timeout=60)
 
-    assert sha256_of(copy) == sha256_of(original)
+    assert sha256(copy) == sha256(original)
     stats = proxy.stats()
     assert stats["by_outcome"]["forwarded"] == stats["total"]
     assert stats["by_method"]["PUT"] >= 3  # three 8 MB parts

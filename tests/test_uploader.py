@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import checkpoint
-from podlab import BUCKET, ROOT
+from podlab import BUCKET, ROOT, wait_until
 from s3_fault_proxy import FaultProxy
 
 JOB = ROOT / "job"
@@ -46,15 +46,6 @@ def committed_in_s3(s3, prefix: str) -> set[int]:
 
 def keys_in_s3(s3, prefix: str) -> list[str]:
     return [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])]
-
-
-def wait_until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def test_watcher_outlives_an_outage_longer_than_its_lease_and_catches_up(s3, s3_endpoint, tmp_path):

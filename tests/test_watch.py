@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from podlab import BUCKET, ROOT, Run, tool_env
+from podlab import BUCKET, ROOT, Run, tool_env, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")]
 
@@ -247,13 +247,12 @@ def follow(board: TensorBoard, run: str, seconds: float) -> tuple[dict[int, floa
 
 
 def wait_for_step(board: TensorBoard, run: str, step: int, timeout: float = 30) -> dict[int, float]:
-    deadline = time.monotonic() + timeout
-    while True:
+    def reached() -> dict[int, float]:
         served = board.scalars(run, "train/loss")
-        if served and max(served) >= step:
-            return served
-        assert time.monotonic() < deadline, f"TensorBoard never showed step {step} of {run}"
-        time.sleep(0.5)
+        return served if served and max(served) >= step else {}
+    served = wait_until(reached, timeout, interval=0.5)
+    assert served, f"TensorBoard never showed step {step} of {run}"
+    return served
 
 
 def test_tensorboard_serves_every_train_loss_step_the_trainer_logged(watched):

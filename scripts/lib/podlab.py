@@ -1,13 +1,15 @@
 """A lab for the real job.yaml: a tiny corpus and config, a run staged in a local S3, its pods run
 by scripts/local_pod.py (killed, deleted, waited for), and what S3 holds afterwards.
 
-Used by the tests and by scripts/chaos.py.
+Used by the tests and by scripts/chaos.py, benchmark.py and local_s3.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import queue
 import random
@@ -63,7 +65,6 @@ def write_config(path: Path, **overrides) -> Path:
     return path
 
 
-
 JOB_YAML = ROOT / "job.yaml"
 BUCKET = "test-bucket"
 POD_CONFIG = {"train__max_steps": 60, "checkpoint__interval": 5, "checkpoint__keep": 2, "eval__interval": 10,
@@ -109,12 +110,10 @@ class Pod:
         raise AssertionError(f"no line with {text!r}; output:\n{self.output[-4000:]}")
 
     def pid1(self) -> int:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.pidfile.exists() and self.pidfile.read_text().strip():
-                return int(self.pidfile.read_text())
-            time.sleep(0.05)
-        raise AssertionError("the runner wrote no pidfile")
+        pid = wait_until(lambda: self.pidfile.exists() and self.pidfile.read_text().strip(), 30, interval=0.05)
+        if not pid:
+            raise AssertionError("the runner wrote no pidfile")
+        return int(pid)
 
     def lose_node(self) -> None:
         """SIGKILL the pod's PID 1: everything in it dies at once, nothing is uploaded."""
@@ -212,10 +211,53 @@ class Run:
         return hashlib.sha256(self.read(f"checkpoints/{checkpoint.step_dir_name(step)}/model.pt")).hexdigest()
 
 
+def venv_path() -> str:
+    """This process's PATH with the venv's tools (aws, kubectl, torchrun, s5cmd) first."""
+    return f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 def tool_env() -> dict:
-    env = dict(os.environ)
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    return env
+    return {**os.environ, "PATH": venv_path()}
+
+
+def fake_aws_env(endpoint: str) -> dict:
+    """Fake credentials and a local S3 endpoint, as environment variables."""
+    return {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+
+
+@contextlib.contextmanager
+def local_s3(buckets=(BUCKET,), port: int = 0, set_environ: bool = True):
+    """moto's S3 server on loopback (port 0: a free one) with `buckets` created; yields its endpoint.
+    With set_environ, fake_aws_env(endpoint) goes into os.environ (this process and its children)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto logs every request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        endpoint = "http://%s:%d" % server.get_host_and_port()
+        if set_environ:
+            os.environ.update(fake_aws_env(endpoint))
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                              aws_access_key_id="testing", aws_secret_access_key="testing")
+        for bucket in buckets:
+            client.create_bucket(Bucket=bucket)
+        yield endpoint
+    finally:
+        server.stop()
+
+
+def wait_until(condition, timeout: float, interval: float = 0.2):
+    """Call `condition` every `interval` s until it returns something true; return its last value
+    (false when `timeout` s passed first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result or time.monotonic() >= deadline:
+            return result
+        time.sleep(interval)
 
 
 def scaled_job_yaml(folder: Path, period: int = 1, failure: int = 2, grace: int | None = None) -> Path:
