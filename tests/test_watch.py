@@ -429,7 +429,9 @@ def test_tensorboard_on_a_prefix_shows_each_run_by_name(states, lab):
     try:
         names = [f"{name}/tensorboard" for name in states if name != "misconfigured"]
         assert sorted(board.wait_for_runs(*names)) == sorted(names)
-        assert "train/loss" in board.get("/data/plugin/scalars/tags")["done/tensorboard"]
+        # A run is listed as soon as its folder is found; its events load on a later reload.
+        assert wait_until(lambda: board.scalars("done/tensorboard", "train/loss"), timeout=60), \
+            "".join(board.output)
     finally:
         board.stop()
 
