@@ -145,8 +145,10 @@ def _drive(pod: Pod, moment: Moment | None, rng: random.Random, max_steps: int) 
             pod.wait_for(trigger(pod, moment, rng, max_steps), timeout=180)
             time.sleep(moment.delay)
             hit = pod.proc.poll() is None
-            if hit:
-                pod.lose_node() if moment.signal == "KILL" else pod.delete()
+            if hit and moment.signal == "KILL":
+                hit = pod.lose_node()
+            elif hit:
+                pod.delete()
         except AssertionError:
             hit = False  # the pod ended before that moment came
     code = pod.wait(timeout=300)

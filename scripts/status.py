@@ -220,8 +220,9 @@ def _step_of(name: str) -> int | None:
 
 # -- the state of a run ---------------------------------------------------------------------------
 
-def summarize(store: Store, run: RunFiles, bucket: str, stale_after: float, now: float) -> dict:
+def summarize(store: Store, run: RunFiles, bucket: str, stale_after: float) -> dict:
     status = (store.read_json(run.prefix + "status.json") if "status.json" in run.keys else None) or {}
+    now = time.time()  # after the read: a heartbeat written meanwhile is not in the future
     finished = "COMPLETE" in run.keys
     complete = (store.read_json(run.prefix + "COMPLETE") if finished else None) or {}
     progress = status.get("progress") or {}
@@ -450,9 +451,8 @@ def gather(uri: str, stale_after: float) -> tuple[Store, list[RunFiles], list[di
                        "the runs, or one run's folder)")
     single = "" in runs
     ordered = [runs[""]] if single else [runs[name] for name in sorted(runs)]
-    now = time.time()
     with ThreadPoolExecutor(max_workers=8) as pool:
-        rows = list(pool.map(lambda run: summarize(store, run, bucket, stale_after, now), ordered))
+        rows = list(pool.map(lambda run: summarize(store, run, bucket, stale_after), ordered))
     return store, ordered, rows, single
 
 

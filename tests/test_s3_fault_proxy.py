@@ -16,7 +16,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError
 
 from helpers import sha256
-from podlab import BUCKET, ROOT
+from podlab import BUCKET, ROOT, wait_until
 from s3_fault_proxy import FaultProxy
 
 CONNECTION_ERRORS = (ConnectionClosedError, EndpointConnectionError)
@@ -232,13 +232,12 @@ def test_outage_fails_every_call_with_bounded_retries_until_off(proxy, fault):
 
 def test_timed_outage_ends_by_itself(proxy):
     client = client_through(proxy)
-    proxy.configure(outage_seconds=1.0)
+    proxy.configure(outage_seconds=3.0)
     assert proxy.config()["outage"] is True
     with pytest.raises(ClientError):
         client.head_bucket(Bucket=BUCKET)
-    time.sleep(1.1)
+    assert wait_until(lambda: proxy.config()["outage"] is False, timeout=10)
     client.head_bucket(Bucket=BUCKET)
-    assert proxy.config()["outage"] is False
     assert outcomes(proxy) == ["outage", "forwarded"]
 
 

@@ -148,8 +148,8 @@ class TensorBoard:
         query = urllib.parse.urlencode({"run": run, "tag": tag})
         try:
             return {step: value for _, step, value in self.get(f"/data/plugin/scalars/scalars?{query}")}
-        except urllib.error.HTTPError:  # the run or tag is not loaded yet
-            return {}
+        except (urllib.error.URLError, TimeoutError, ConnectionError):
+            return {}  # the run or tag is not loaded yet, or a slow answer on a loaded machine: ask again
 
     def wait_for_runs(self, *names: str, timeout: float = 60) -> list[str]:
         deadline = time.monotonic() + timeout
@@ -191,6 +191,7 @@ def watched(lab, done):
         logged = clocks[0].logged
         measured = [s for s, (at, _) in logged.items() if ready + 1 <= at <= window_end - SETTLE_SECONDS]
         lags = [served_at.get(s, window_end) - logged[s][0] for s in measured]
+        pods[0].wait_for("uploader: step-00000050 is in S3")  # for committed_step >= 50
         status_json = status_of(RUNS, "--json")
         status_detail = status_of(run.output_uri)
         stale_now = status_of(RUNS, "--json", "--stale-after", "0")

@@ -80,7 +80,8 @@ class Pod:
         self._new = queue.Queue()
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -115,9 +116,14 @@ class Pod:
             raise AssertionError("the runner wrote no pidfile")
         return int(pid)
 
-    def lose_node(self) -> None:
-        """SIGKILL the pod's PID 1: everything in it dies at once, nothing is uploaded."""
-        os.kill(self.pid1(), signal.SIGKILL)
+    def lose_node(self) -> bool:
+        """SIGKILL the pod's PID 1: everything in it dies at once, nothing is uploaded. False when
+        PID 1 had already exited."""
+        try:
+            os.kill(self.pid1(), signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
 
     def delete(self) -> None:
         """Graceful deletion: SIGTERM to the runner, which sends SIGTERM to PID 1."""
@@ -125,10 +131,12 @@ class Pod:
 
     def wait(self, timeout: float = 300) -> int:
         try:
-            return self.proc.wait(timeout=timeout)
+            code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             raise AssertionError(f"pod still running after {timeout}s:\n{self.output[-4000:]}")
+        self._reader.join(timeout=30)  # callers read the last lines next
+        return code
 
 
 class Run:
