@@ -3,12 +3,14 @@ fallbacks, what it logs, and every config error path."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,6 +139,33 @@ def test_checkpoints_follow_the_contract(reference):
     assert meta["val_loss"] == meta["best_val_loss"] and meta["step"] % 10 == 0
     state = torch.load(root / f"step-{MAX_STEPS:08d}" / "state.pt", weights_only=True)
     assert {"optimizer", "step", "rng", "best_val_loss", "data", "config"} <= set(state)
+
+
+def test_verify_names_the_damaged_file_whichever_it_is(tmp_path):
+    def committed() -> Path:
+        folder = tmp_path / checkpoint.step_dir_name(len(list(tmp_path.iterdir())))
+        with checkpoint.stage(folder) as staged:
+            for name in ("a.pt", "b.pt", "c.pt"):
+                with staged.open(name) as file:
+                    file.write(name.encode() * 100_000)
+            staged.commit()
+        assert checkpoint.verify(folder) is None
+        return folder
+
+    flipped = committed()
+    with open(flipped / "c.pt", "r+b") as file:
+        file.seek(150_000)
+        file.write(b"X")
+    assert checkpoint.verify(flipped) == "c.pt does not match its sha256 in the manifest"
+    assert checkpoint.verify(flipped, full=False) is None, "sizes only"
+    truncated = committed()
+    os.truncate(truncated / "b.pt", 10)
+    assert checkpoint.verify(truncated) == "b.pt has 10 bytes, manifest says 400000"
+    two = committed()
+    (two / "c.pt").unlink()
+    os.truncate(two / "b.pt", 10)
+    assert checkpoint.verify(two) == "b.pt has 10 bytes, manifest says 400000", "the first in name order"
+    assert checkpoint.verify(committed().parent / "nothing") == "no readable manifest.json"
 
 
 def test_training_lowers_the_loss_and_logs_scalars_to_tensorboard(reference):
