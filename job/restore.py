@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import botocore.exceptions
@@ -66,15 +67,23 @@ def download(s3, where: Location, manifest: dict, final: Path, retry) -> str | N
     log("restore", f"restoring {final.name}: {len(files)} files, {size / 1e6:.1f} MB")
     started = time.monotonic()
     final.parent.mkdir(parents=True, exist_ok=True)
+
+    def fetch_and_check(name: str, entry: dict) -> str | None:
+        if not retry(fetch, s3, where, name, staged.path / name):
+            return f"{name} is named in the manifest but missing"
+        try:
+            staged.adopt(name, entry)
+        except ValueError as problem:
+            return str(problem)
+        return None
+
     with checkpoint.stage(final) as staged:
-        for name, entry in sorted(files.items()):
-            target = staged.path / name
-            if not retry(fetch, s3, where, name, target):
-                return f"{name} is named in the manifest but missing"
-            try:
-                staged.adopt(name, entry)
-            except ValueError as problem:
-                return str(problem)
+        # The files come side by side, so one is hashed while another still downloads.
+        with ThreadPoolExecutor(max_workers=max(1, min(len(files), 4))) as pool:
+            problems = list(pool.map(lambda item: fetch_and_check(*item), sorted(files.items())))
+        problem = next((problem for problem in problems if problem), None)
+        if problem:
+            return problem
         staged.commit(meta=manifest.get("meta"))
     took = time.monotonic() - started
     log("restore", f"restored {final.name}: {size / 1e6:.1f} MB in {took:.1f}s "
