@@ -26,13 +26,15 @@ leaving --out as it was.
 """
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 import numpy as np
 
@@ -61,7 +63,7 @@ class Piece:
 
 @dataclass
 class Encoded:
-    chunks: list[np.ndarray] = field(default_factory=list)  # uint16 ids, in stream order
+    stream: BinaryIO  # uint16 ids, written in stream order: memory stays flat however big the corpus
     documents: int = 0
     tokens: int = 0
 
@@ -238,8 +240,8 @@ def batched(pieces: Iterable[Piece]) -> Iterator[list[Piece]]:
         yield batch
 
 
-def encode_pieces(pieces: Iterable[Piece], tokenizer) -> Encoded:
-    encoded = Encoded()
+def encode_pieces(pieces: Iterable[Piece], tokenizer, stream: BinaryIO) -> Encoded:
+    encoded = Encoded(stream)
     document_has_text = False
     eot = None if tokenizer.eot_token is None else np.array([tokenizer.eot_token], dtype=np.int64)
     for batch in batched(pieces):
@@ -264,7 +266,8 @@ def add_chunk(encoded: Encoded, parts: list[np.ndarray], vocab_size: int) -> Non
     if int(chunk.max()) >= vocab_size:
         raise InputError(f"the tokenizer produced id {int(chunk.max())} but its vocab_size is "
                          f"{vocab_size}; fix the tokenizer so its ids are below its length")
-    encoded.chunks.append(chunk.astype(np.uint16))
+    # astype("<u2") keeps the files little-endian, and so portable, on any machine.
+    chunk.astype("<u2").tofile(encoded.stream)
     encoded.tokens += chunk.size
 
 
@@ -281,34 +284,37 @@ def split_sizes(total_tokens: int, val_fraction: float) -> tuple[int, int]:
     return train_tokens, val_tokens
 
 
-def write_outputs(out: Path, encoded: Encoded, train_tokens: int, meta: dict) -> None:
+@contextlib.contextmanager
+def staged_outputs(out: Path) -> Iterator[dict[str, Path]]:
+    """Temporary paths next to train.bin, val.bin and meta.json; on success they replace those.
+    On failure nothing in --out changes, and an --out made here is removed again."""
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     names = ("train.bin", "val.bin", "meta.json")
     temporary = {name: out / f".{name}.tmp-{os.getpid()}" for name in names}
     try:
-        write_token_files(encoded.chunks, train_tokens, temporary["train.bin"], temporary["val.bin"])
-        write_file(temporary["meta.json"], (json.dumps(meta, indent=2) + "\n").encode())
+        yield temporary
         # meta.json goes first and comes back last: a run killed between the renames leaves no
         # meta.json, rather than one that vouches for a mix of old and new .bin files.
         (out / "meta.json").unlink(missing_ok=True)
         for name in names:
             os.replace(temporary[name], out / name)
+        made = False
     finally:
         for path in temporary.values():
             path.unlink(missing_ok=True)
+        if made:
+            out.rmdir()
 
 
-def write_token_files(chunks: list[np.ndarray], train_tokens: int,
-                      train_path: Path, val_path: Path) -> None:
-    with open(train_path, "wb") as train, open(val_path, "wb") as val:
-        remaining_train = train_tokens
-        for chunk in chunks:
-            head = min(remaining_train, chunk.size)
-            # astype("<u2") is a no-op on little-endian machines and keeps the files portable.
-            chunk[:head].astype("<u2", copy=False).tofile(train)
-            chunk[head:].astype("<u2", copy=False).tofile(val)
-            remaining_train -= head
-        for file in (train, val):
+def split_off_val(tokens_path: Path, train_tokens: int, val_path: Path) -> None:
+    """Move the stream's tail past `train_tokens` into val_path; what is left is train.bin."""
+    itemsize = np.dtype("<u2").itemsize
+    with open(tokens_path, "r+b") as tokens, open(val_path, "wb") as val:
+        tokens.seek(train_tokens * itemsize)
+        shutil.copyfileobj(tokens, val, 16 << 20)
+        tokens.truncate(train_tokens * itemsize)
+        for file in (tokens, val):
             file.flush()
             os.fsync(file.fileno())
 
@@ -354,19 +360,23 @@ def prepare(args: argparse.Namespace) -> str:
     # The tokenizer loads before the input is read, so a bad --tokenizer fails in seconds, not
     # after a long encoding.
     tokenizer = make_tokenizer(args.tokenizer)
-    encoded = encode_pieces(read_pieces(args.input, args.text_field, args.split), tokenizer)
-    if encoded.documents == 0:
-        raise InputError(f"input {args.input} has no text; pass a non-empty file, directory or column")
-    train_tokens, val_tokens = split_sizes(encoded.tokens, args.val_fraction)
-    meta = {
-        "vocab_size": tokenizer.vocab_size,
-        "tokenizer": tokenizer.name,
-        "eot_token": tokenizer.eot_token,
-        "dtype": "uint16",
-        "train_tokens": train_tokens,
-        "val_tokens": val_tokens,
-    }
-    write_outputs(Path(args.out), encoded, train_tokens, meta)
+    pieces = read_pieces(args.input, args.text_field, args.split)  # a missing input fails here
+    with staged_outputs(Path(args.out)) as temporary:
+        with open(temporary["train.bin"], "wb") as stream:
+            encoded = encode_pieces(pieces, tokenizer, stream)
+        if encoded.documents == 0:
+            raise InputError(f"input {args.input} has no text; pass a non-empty file, directory or column")
+        train_tokens, val_tokens = split_sizes(encoded.tokens, args.val_fraction)
+        split_off_val(temporary["train.bin"], train_tokens, temporary["val.bin"])
+        meta = {
+            "vocab_size": tokenizer.vocab_size,
+            "tokenizer": tokenizer.name,
+            "eot_token": tokenizer.eot_token,
+            "dtype": "uint16",
+            "train_tokens": train_tokens,
+            "val_tokens": val_tokens,
+        }
+        write_file(temporary["meta.json"], (json.dumps(meta, indent=2) + "\n").encode())
     return (f"wrote {args.out}: documents {encoded.documents}, tokens {encoded.tokens} "
             f"(train {train_tokens}, val {val_tokens}), tokenizer {tokenizer.name} "
             f"(vocab {tokenizer.vocab_size}), {time.monotonic() - started:.1f} s")

@@ -237,6 +237,29 @@ def test_documents_read_in_many_blocks_and_batches(tmp_path, tokenizer_dir, monk
     assert [tokenizer.decode(tokens[s:e].tolist()) for s, e in zip(starts, ends)] == documents
 
 
+def peak_memory_mb(tmp_path: Path, text_mb: int) -> float:
+    """Peak RSS of prepare_data.py on a text file of `text_mb` MB (byte tokens: 2 bytes each)."""
+    corpus = tmp_path / f"corpus-{text_mb}.txt"
+    corpus.write_text(("the quick brown fox jumps over the lazy dog\n" * 23_832) * text_mb)
+    out = tmp_path / f"out-{text_mb}"
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent's memory across exec.
+    report = ("import re, runpy, sys; sys.argv = sys.argv[1:]\n"
+              "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+              "except SystemExit as end:\n    assert not end.code, end.code\n"
+              "print(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1))")
+    result = subprocess.run([sys.executable, "-c", report, str(SCRIPT), "--input", str(corpus), "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert read_meta(out)["train_tokens"] + read_meta(out)["val_tokens"] == corpus.stat().st_size
+    return int(result.stdout.splitlines()[-1]) / 1024
+
+
+def test_memory_stays_flat_however_big_the_corpus(tmp_path):
+    small, big = peak_memory_mb(tmp_path, 1), peak_memory_mb(tmp_path, 96)
+    # Holding the tokens would take 192 MB more for 96 MB of text; they go to disk as they come.
+    assert big - small < 40, f"peak RSS {small:.0f} MB for 1 MB of text, {big:.0f} MB for 96 MB"
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 
