@@ -13,6 +13,7 @@ Exit 0 (restored, or nothing to restore), 64 (bad input), 75 (S3 unreachable).
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -78,16 +79,40 @@ def download(s3, where: Location, manifest: dict, final: Path, retry) -> str | N
         return None
 
     with checkpoint.stage(final) as staged:
-        # The files come side by side, so one is hashed while another still downloads.
-        with ThreadPoolExecutor(max_workers=max(1, min(len(files), 4))) as pool:
-            problems = list(pool.map(lambda item: fetch_and_check(*item), sorted(files.items())))
-        problem = next((problem for problem in problems if problem), None)
+        problem = side_by_side(fetch_and_check, sorted(files.items()))
         if problem:
             return problem
         staged.commit(meta=manifest.get("meta"))
     took = time.monotonic() - started
     log("restore", f"restored {final.name}: {size / 1e6:.1f} MB in {took:.1f}s "
                    f"({size / 1e6 / max(took, 1e-3):.0f} MB/s), verified against its manifest")
+    return None
+
+
+def side_by_side(work, items: list[tuple[str, dict]], workers: int = 4) -> str | None:
+    """work(name, entry) for every item, a few at a time, so one file is hashed while another
+    still downloads. The first problem in name order wins, as one after another would have it, and
+    after any problem no further file is started (a damaged checkpoint costs no more bytes)."""
+    failed = threading.Event()
+
+    def guarded(name: str, entry: dict) -> str | None:
+        if failed.is_set():
+            return f"{name} not fetched: another file failed"  # never the first problem in name order
+        try:
+            problem = work(name, entry)
+        except BaseException:
+            failed.set()
+            raise
+        if problem:
+            failed.set()
+        return problem
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(items), workers))) as pool:
+        futures = [pool.submit(guarded, name, entry) for name, entry in items]
+    for future in futures:
+        problem = future.result()  # raises the error of the first file, in name order, that had one
+        if problem:
+            return problem
     return None
 
 

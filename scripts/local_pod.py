@@ -724,7 +724,9 @@ class PodRunner:
         next_run = time.monotonic()
         while not self.stopped.is_set():
             ok, output = self.run_probe(probe)
-            if self.stopped.is_set():
+            # A probe cut off by PID 1's exit fails before the container thread sees the exit; the
+            # kubelet drops results for a stopped container, and so does this.
+            if self.stopped.wait(0 if ok else 0.5):
                 return
             failures, successes = (0, successes + 1) if ok else (failures + 1, 0)
             if probe.kind == "Readiness":

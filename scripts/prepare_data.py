@@ -287,24 +287,46 @@ def split_sizes(total_tokens: int, val_fraction: float) -> tuple[int, int]:
 @contextlib.contextmanager
 def staged_outputs(out: Path) -> Iterator[dict[str, Path]]:
     """Temporary paths next to train.bin, val.bin and meta.json; on success they replace those.
-    On failure nothing in --out changes, and an --out made here is removed again."""
-    made = not out.exists()
+    On failure nothing in --out changes, and the folders made here are removed again."""
+    made = [folder for folder in (out, *out.parents) if not folder.exists()]  # innermost first
     out.mkdir(parents=True, exist_ok=True)
     names = ("train.bin", "val.bin", "meta.json")
+    remove_stale_temporaries(out, names)
     temporary = {name: out / f".{name}.tmp-{os.getpid()}" for name in names}
     try:
         yield temporary
+        made = []  # --out holds results from here on
         # meta.json goes first and comes back last: a run killed between the renames leaves no
         # meta.json, rather than one that vouches for a mix of old and new .bin files.
         (out / "meta.json").unlink(missing_ok=True)
         for name in names:
             os.replace(temporary[name], out / name)
-        made = False
     finally:
         for path in temporary.values():
             path.unlink(missing_ok=True)
-        if made:
-            out.rmdir()
+        for folder in made:
+            with contextlib.suppress(OSError):  # the error that got us here is the one to report
+                folder.rmdir()
+
+
+def remove_stale_temporaries(out: Path, names: tuple[str, ...]) -> None:
+    """A run killed outright (SIGKILL, out of memory) leaves its temporary files, as big as the
+    corpus; the next run removes those whose process is gone."""
+    for name in names:
+        for path in out.glob(f".{name}.tmp-*"):
+            pid = path.name.rsplit("-", 1)[1]
+            if pid.isdigit() and not process_exists(int(pid)):
+                path.unlink(missing_ok=True)
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
 
 
 def split_off_val(tokens_path: Path, train_tokens: int, val_path: Path) -> None:

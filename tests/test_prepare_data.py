@@ -373,6 +373,26 @@ def test_bad_input_exits_64_with_one_line(tmp_path, corpus_file, make_args, caus
     assert not out.exists()
 
 
+def test_bad_input_removes_the_folders_it_made(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    result = run_prepare("--input", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "a" / "b" / "out"))
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]
+
+
+def test_temporaries_of_a_killed_run_are_removed_by_the_next(tmp_path, corpus_file):
+    out = tmp_path / "out"
+    out.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid whose process has ended
+    stale = out / f".train.bin.tmp-{gone.pid}"
+    stale.write_bytes(b"\0" * 1000)
+    live = out / f".val.bin.tmp-{os.getpid()}"  # a run still going: left alone
+    live.write_bytes(b"\0")
+    prepare_ok("--input", str(corpus_file), "--out", str(out))
+    assert not stale.exists() and live.exists()
+
+
 def test_bad_input_leaves_earlier_output_untouched(tmp_path, corpus_file):
     out = tmp_path / "out"
     prepare_ok("--input", str(corpus_file), "--out", str(out))

@@ -181,6 +181,33 @@ def test_restore_skips_a_manifest_of_the_wrong_shape_and_takes_the_one_before(s3
     assert checkpoint.verify(tmp_path / "out" / "checkpoints" / "step-00000005") is None
 
 
+def test_restore_fetches_files_side_by_side_and_stops_at_the_first_problem_in_name_order():
+    items = [(name, {}) for name in "abcdefgh"]
+    started, b_done = [], threading.Event()
+
+    def work(name: str, entry: dict) -> str | None:
+        started.append(name)
+        if name == "a":
+            assert b_done.wait(10)  # a's problem comes after b's error
+            return "a is damaged"
+        try:
+            if name == "b":
+                raise RuntimeError("b: S3 unavailable")
+            return None
+        finally:
+            b_done.set()
+
+    # One after another, a's problem would have come first and b never been tried: a wins.
+    assert restorelib.side_by_side(work, items, workers=2) == "a is damaged"
+    assert sorted(started) == ["a", "b"], "no file is started after a problem"
+    started.clear()
+    with pytest.raises(RuntimeError, match="b: S3 unavailable"):
+        restorelib.side_by_side(lambda name, _: work(name, {}) if name != "a" else None, items, workers=2)
+    started.clear()
+    assert restorelib.side_by_side(lambda name, _: started.append(name), items) is None
+    assert sorted(started) == list("abcdefgh")
+
+
 def test_secrets_appear_nowhere_in_output_logs_or_uploads(run, monkeypatch):
     access_key = "AKIA" + "".join(secrets.choice(string.ascii_uppercase + string.digits) for _ in range(16))
     secret_key = secrets.token_urlsafe(30)
