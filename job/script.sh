@@ -37,6 +37,7 @@ UPLOADER_PID=""
 HEARTBEAT_PID=""
 TEE_PID=""
 LEASE_HELD=0
+COMPLETE_FOUND=0
 PYTHON=python3
 STARTED_MS=$(date +%s%3N)
 
@@ -299,36 +300,33 @@ sync_down() {
   log "${what}: ${files} files in ${dest}, $(awk -v b="${bytes}" -v ms="${ms}" 'BEGIN {printf "%.1f MB fetched at %.1f MB/s", b/1e6, b/1e3/ms}')"
 }
 
+# Each bucket once. The output bucket's check also looks for COMPLETE: one AWS CLI start (a few
+# tenths of a second of every restart) answers both questions.
 check_access() {
-  local uri bucket checked=" "
+  local uri bucket checked=" " output_bucket
+  output_bucket=$(bucket_of "${S3_OUTPUT_URI}")
   for uri in "${S3_CODE_URI}" "${S3_DATA_URI}" "${S3_OUTPUT_URI}"; do
     bucket=$(bucket_of "${uri}")
     [[ "${checked}" != *" ${bucket} "* ]] || continue
-    s3_retry "${uri}" aws s3api head-bucket --bucket "${bucket}"
+    if [[ "${bucket}" == "${output_bucket}" ]]; then
+      s3_retry "${uri}" aws s3api list-objects-v2 --bucket "${bucket}" --prefix "$(complete_key)" \
+        --max-keys 1 --query 'Contents[0].Key' --output text
+      # Keys sort by bytes: the first under the prefix .../COMPLETE is COMPLETE itself if it exists.
+      if grep -qxF -- "$(complete_key)" "${STATE_DIR}/s3-command.out"; then COMPLETE_FOUND=1; fi
+    else
+      s3_retry "${uri}" aws s3api head-bucket --bucket "${bucket}"
+    fi
     checked+="${bucket} "
   done
 }
 
-# Prints yes or no; errors other than "not found" fail, so s3_retry can retry them.
-object_exists() {
-  local out
-  if out=$(aws s3api head-object --bucket "$1" --key "$2" 2>&1); then
-    echo yes
-  elif grep -q '(404)' <<<"${out}"; then
-    echo no
-  else
-    echo "${out}" >&2
-    return 1
-  fi
+complete_key() {
+  local bucket
+  bucket=$(bucket_of "${S3_OUTPUT_URI}")
+  echo "${S3_OUTPUT_URI#s3://"${bucket}"/}COMPLETE"
 }
 
-already_complete() {
-  local bucket rest
-  bucket=$(bucket_of "${S3_OUTPUT_URI}")
-  rest=${S3_OUTPUT_URI#s3://"${bucket}"/}
-  s3_retry "${S3_OUTPUT_URI}" object_exists "${bucket}" "${rest}COMPLETE"
-  [[ "$(cat "${STATE_DIR}/s3-command.out")" == yes ]]
-}
+already_complete() { ((COMPLETE_FOUND)); }
 
 # -- the phases ---------------------------------------------------------------------------------
 

@@ -243,7 +243,8 @@ def locked_s3(tmp_path_factory):
 
 @pytest.mark.parametrize("who,message", [
     ("no permissions", "access to s3://locked/code/ denied; give the pod's role or Secret s3:ListBucket"),
-    ("unknown key", "access to s3://locked/code/ denied"),
+    # The bucket's check lists COMPLETE: a GET, whose error body names the cause (a HEAD has none).
+    ("unknown key", "the AWS credentials were refused by S3 (InvalidAccessKeyId); fix the Secret"),
 ])
 def test_s3_refusing_the_pod_exits_64(locked_s3, tmp_path, who, message, s3_endpoint, monkeypatch, tool_path):
     endpoint, key_id, secret = locked_s3

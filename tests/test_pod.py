@@ -96,7 +96,9 @@ def test_pod_deletion_leaves_a_checkpoint_of_the_current_step_in_s3(run):
 
 
 def test_run_after_complete_exits_at_once_without_touching_s3(run):
-    assert run.run()[0] == 0
+    run.s3.put_object(Bucket=BUCKET, Key=f"{run.prefix}COMPLETE.txt", Body=b"a note, not the marker")
+    code, pod = run.run()
+    assert code == 0 and "torchrun" in pod.output, "only COMPLETE itself ends a run"
     before = run.keys()
     code, pod = run.run()
     assert code == 0
