@@ -35,6 +35,11 @@ KEY = "lease.json"
 EXIT_COMPLETE = 3
 
 
+def _once(fn, *args):
+    """No retries: the caller's caller sorts what fails."""
+    return fn(*args)
+
+
 class LeaseLost(s3lib.Stop):
     """Another pod holds the lease now: this one must not write."""
 
@@ -73,7 +78,7 @@ class Lease:
             if current is not None:
                 owner, etag, age = current
                 if owner == self.holder:  # our write landed though its answer was lost
-                    self.etag, self.renewed = etag, time.monotonic() - age
+                    self._hold(etag, age)
                     return
                 if age > self.ttl and retry(self._put, if_match=etag):
                     log("lease", f"took over the lease of {owner}, expired {age - self.ttl:.0f}s ago")
@@ -121,10 +126,15 @@ class Lease:
             if s3lib.http_status(err) in (409, 412):
                 return False
             raise
-        self.etag, self.renewed = answer["ETag"], time.monotonic()
+        self._hold(answer["ETag"])
+        return True
+
+    def _hold(self, etag: str, age: float = 0.0) -> None:
+        """Ours, as of `age` seconds ago; saved at once, so a SIGTERM right after still lets the
+        pod's last helper release it."""
+        self.etag, self.renewed = etag, time.monotonic() - age
         if self.path:
             self.save(self.path)
-        return True
 
     # -- keeping it ----------------------------------------------------------------------------
 
@@ -136,7 +146,7 @@ class Lease:
                 return
             current = self._read()
             if current and current[0] == self.holder:  # a retried renewal whose first try landed
-                self.etag, self.renewed = current[1], time.monotonic() - current[2]
+                self._hold(current[1], current[2])
                 return
             raise LeaseLost(f"another pod ({current[0] if current else 'none'}) holds the lease on "
                             f"{self.run} now; this pod stops writing there")
@@ -145,17 +155,17 @@ class Lease:
         """Before a write: the lease was renewed within ttl/2, or is renewed now (through `retry`,
         an s3.retrying, when given)."""
         if time.monotonic() - self.renewed > self.ttl / 2:
-            retry(self.renew) if retry else self.renew()
+            (retry or _once)(self.renew)
 
     def release(self, retry=None) -> None:
         """Let the next pod start at once instead of waiting for the expiry (through `retry`,
         an s3.retrying, when given)."""
-        call = retry or (lambda fn, *args: fn(*args))
+        retry = retry or _once
         with self._lock:
-            current = call(self._read)
+            current = retry(self._read)
             if current is None or current[0] != self.holder:
                 return
-            call(self._delete, current[1])
+            retry(self._delete, current[1])
         if self.path:  # the pod's finish must not think it still holds it
             self.path.unlink(missing_ok=True)
 
@@ -227,13 +237,11 @@ def main(argv: list[str]) -> int:
     def run() -> int:
         where = Location.parse(argv[1])
         holder = f"{os.environ.get('HOSTNAME', 'pod')}/{uuid.uuid4().hex[:8]}"
-        # Saved the moment it is taken: a SIGTERM right after must still let the pod release it.
         lease = Lease(s3lib.client(), where, holder, ttl_seconds(), path=Path(argv[2]))
         started = time.monotonic()
         if not lease.acquire(float(os.environ.get("LEASE_WAIT_SECONDS", "3000"))):
             log("lease", f"{where} became COMPLETE while waiting: nothing to do")
             return EXIT_COMPLETE
-        lease.save(Path(argv[2]))
         log("lease", f"holding the lease on {where} as {holder} "
                      f"(ttl {lease.ttl:.0f}s, waited {time.monotonic() - started:.1f}s)")
         return 0
