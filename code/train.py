@@ -298,9 +298,9 @@ class Trainer:
         self.train_loss = state.get("train_loss")
         if self.rt.master:
             log(f"resumed from {folder.name} (step {self.step}) in {time.monotonic() - started:.1f}s")
-        if self.rt.master and self.best_step == self.step:
-            # A pod that died between committing this step and linking it as best/ left best/ behind.
-            self._link_best(folder)
+            if self.best_step == self.step:
+                # A pod that died between committing this step and linking it as best/ left best/ behind.
+                self._link_best(folder)
 
     def save(self, is_best: bool) -> None:
         """Commit a checkpoint of this step (a collective: every rank calls it, rank 0 writes)."""

@@ -128,7 +128,7 @@ run_child() {
   local code=0
   wait_for "${CHILD_PID}" || code=$?
   CHILD_PID=""
-  [[ -z "${STOP_SIGNAL}" ]] || exit "$(signal_exit_code)"
+  stop_if_asked
   return "${code}"
 }
 
