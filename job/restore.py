@@ -20,11 +20,10 @@ from pathlib import Path
 
 import botocore.exceptions
 
+import checkpoint  # the runtime's own copy of the protocol, never the user's upload
 import s3 as s3lib
 from s3 import Location, log
 
-s3lib.code_dir_on_path()
-import checkpoint  # noqa: E402 - from the training code: CODE_DIR
 
 
 def newest_first(names: list[str]) -> list[str]:

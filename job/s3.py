@@ -221,9 +221,3 @@ def main_guard(name: str, run) -> int:
         log(name, f"error: {err}")
         return EXIT_UNAVAILABLE
 
-
-def code_dir_on_path() -> None:
-    """checkpoint.py (the commit protocol) comes with the training code, so trainer and pod agree."""
-    code_dir = os.environ.get("CODE_DIR")
-    if code_dir and code_dir not in sys.path:
-        sys.path.insert(0, code_dir)

@@ -334,8 +334,6 @@ sync_code() {
   sync_down "code" "${S3_CODE_URI}" "${CODE_DIR}"
   [[ -f "${CODE_DIR}/train.py" ]] ||
     die "${EXIT_BAD_INPUT}" "${S3_CODE_URI} holds no train.py; upload the code with scripts/stage.sh ${S3_CODE_URI}"
-  [[ -f "${CODE_DIR}/checkpoint.py" ]] ||
-    die "${EXIT_BAD_INPUT}" "${S3_CODE_URI} holds no checkpoint.py; copy code/checkpoint.py next to your train.py (trainer and pod share it)"
   [[ -f "${CODE_DIR}/${TRAIN_CONFIG}" ]] ||
     die "${EXIT_BAD_INPUT}" "TRAIN_CONFIG=${TRAIN_CONFIG} is not in ${S3_CODE_URI}; upload it or fix TRAIN_CONFIG"
 }
@@ -397,7 +395,9 @@ run_trainer() {
   local error_file="${STATE_DIR}/trainer-error.json"
   rm -f "${error_file}"
   log "torchrun --standalone --nproc_per_node=${NPROC_PER_NODE} train.py --config ${TRAIN_CONFIG} ${TRAIN_ARGS:-}"
-  TORCHELASTIC_ERROR_FILE=${error_file} "${PYTHON}" -m torch.distributed.run --standalone \
+  # PYTHONPATH: a trainer that brings no checkpoint.py of its own uses the runtime's.
+  TORCHELASTIC_ERROR_FILE=${error_file} PYTHONPATH=${PYTHONPATH:+${PYTHONPATH}:}${JOB_DIR} \
+    "${PYTHON}" -m torch.distributed.run --standalone \
     --nproc_per_node="${NPROC_PER_NODE}" "${CODE_DIR}/train.py" --config "${CODE_DIR}/${TRAIN_CONFIG}" \
     --data_dir "${DATA_DIR}" --output_dir "${OUTPUT_DIR}" "${extra[@]}" &
   TRAINER_PID=$!

@@ -20,7 +20,7 @@ after S3_RETRY_SECONDS with exit 75.
 
 Environment: SYNC_INTERVAL_SECONDS (60), UPLOAD_RETRY_SECONDS (30: one round of the watcher's
 retries), S3_RETRY_SECONDS (600: `final`'s), LOG_FILE, STATE_DIR (lease and attempt), HEALTH_FILE,
-CODE_DIR (checkpoint.py), HOSTNAME.
+HOSTNAME.
 """
 
 from __future__ import annotations
@@ -36,12 +36,11 @@ import time
 from pathlib import Path
 
 
+import checkpoint  # the runtime's own copy of the protocol, never the user's upload
 import s3 as s3lib
 from lease import Keeper, Lease, LeaseLost
 from s3 import Location, log
 
-s3lib.code_dir_on_path()
-import checkpoint  # noqa: E402 - from the training code: CODE_DIR
 
 POLL_SECONDS = 1.0
 EXIT_LEASE_LOST = 75

@@ -4,17 +4,12 @@ Anything that runs in another process (the AWS CLI, the bootstrap, TensorBoard) 
 server over HTTP, as it would to S3. State is reset between tests.
 """
 
-import sys
 import urllib.request
-from pathlib import Path
 
 import boto3
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "lib"))  # podlab adds code/
-from podlab import BUCKET, ROOT, Run, fake_aws_env, local_s3, venv_path  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "scripts"))
+from podlab import BUCKET, ROOT, Run, fake_aws_env, local_s3, venv_path  # noqa: F401 - import paths: pytest.ini
 
 
 @pytest.fixture(scope="session")

@@ -169,8 +169,6 @@ CASES = [
          {"SYNC_INTERVAL_SECONDS": "soon"}),
     Case("endpoint without a scheme", 64, "has no http:// or https:// scheme; add it", {"AWS_ENDPOINT_URL": "127.0.0.1:9"}),
     Case("requirements that fail to install", 64, "the code's requirements cannot be installed", prepare=bad_requirements),
-    Case("code without checkpoint.py", 64, "holds no checkpoint.py; copy code/checkpoint.py next to your train.py",
-         prepare=no_checkpoint_module),
     Case("no credentials", 64, "no AWS credentials; create the Secret aws-credentials",
          {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_EC2_METADATA_DISABLED": "true"}),
     Case("checkpoint from another model shape", 64, "was trained with model.n_embd=64 but the config says 32",
@@ -181,6 +179,8 @@ CASES = [
     Case("truncated newest checkpoint in S3", 0, "in S3 is damaged (model.pt has", prepare=truncate_newest),
     Case("manifest naming a missing file", 0, "in S3 is damaged (extra.pt is named in the manifest but missing)",
          prepare=manifest_names_missing_file),
+    # The protocol ships with the runtime: a trainer that brings none imports the runtime's copy.
+    Case("code without checkpoint.py", 0, "COMPLETE: {", prepare=no_checkpoint_module),
     Case("manifest that is not JSON", 0, "in S3 is damaged (its manifest.json is not JSON)", prepare=broken_manifest),
 ]
 

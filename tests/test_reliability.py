@@ -7,7 +7,6 @@ import os
 import re
 import secrets
 import string
-import sys
 import threading
 import time
 
@@ -16,13 +15,12 @@ import pytest
 
 import chaos
 import checkpoint
-from podlab import BUCKET, ROOT, Run
+from podlab import BUCKET, Run
 from s3_fault_proxy import FaultProxy
 
-sys.path.insert(0, str(ROOT / "job"))
-import lease as leaselib  # noqa: E402
-import restore as restorelib  # noqa: E402
-import s3 as s3lib  # noqa: E402
+import lease as leaselib
+import restore as restorelib
+import s3 as s3lib
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")
 STEP_TIME = re.compile(r"^(\S+Z) train: step (\d+)/")
