@@ -1,0 +1,96 @@
+"""How the pod sorts S3 errors: what a retry may fix (throttling, 5xx, resets) and what it never
+will (exit 64, with one line that names the cause and the fix). Pure: errors are built, not met."""
+
+from __future__ import annotations
+
+import errno
+
+import botocore.exceptions
+import pytest
+
+import s3
+
+
+def client_error(code: str, status: int) -> botocore.exceptions.ClientError:
+    return botocore.exceptions.ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+
+TRANSIENT = [
+    ("503 slow down", client_error("SlowDown", 503)),
+    ("500 internal", client_error("InternalError", 500)),
+    ("429 throttled", client_error("Throttling", 429)),
+    ("408 timeout", client_error("RequestTimeout", 408)),
+    ("no status (reset)", client_error("", 0)),
+    ("connection closed", botocore.exceptions.ConnectionClosedError(endpoint_url="http://x")),
+    ("endpoint unreachable", botocore.exceptions.EndpointConnectionError(endpoint_url="http://x")),
+    ("socket reset", ConnectionResetError(errno.ECONNRESET, "reset")),
+]
+
+PERMANENT = [
+    ("no bucket", client_error("NoSuchBucket", 404), "bucket b does not exist; create it or fix the S3 URI"),
+    ("denied", client_error("AccessDenied", 403), "access to s3://b/ denied"),
+    ("unknown key", client_error("InvalidAccessKeyId", 403), "the AWS access key is not valid"),
+    ("wrong secret", client_error("SignatureDoesNotMatch", 403), "the AWS secret key does not match"),
+    ("expired token", client_error("ExpiredToken", 400), "the AWS session token has expired"),
+    ("store lacks a feature", client_error("NotImplemented", 501), "needs conditional writes"),
+    ("no credentials", botocore.exceptions.NoCredentialsError(), "no AWS credentials found"),
+    ("full disk", OSError(errno.ENOSPC, "No space left on device"), "no space left on the workspace volume"),
+    ("read-only disk", OSError(errno.EROFS, "Read-only file system"), "S3 error OSError"),
+    ("other 4xx", client_error("InvalidArgument", 400), "S3 error InvalidArgument"),
+]
+
+
+@pytest.mark.parametrize("case,err", TRANSIENT, ids=[c[0] for c in TRANSIENT])
+def test_transient_errors_are_retried(case, err):
+    assert s3.is_transient(err)
+
+
+@pytest.mark.parametrize("case,err,line", PERMANENT, ids=[c[0] for c in PERMANENT])
+def test_permanent_errors_get_one_line_that_names_the_fix(case, err, line):
+    assert not s3.is_transient(err)
+    explained = s3.explain(err, "b")
+    assert line in explained and "\n" not in explained
+
+
+def test_a_permanent_error_is_not_retried_and_becomes_bad_input():
+    calls = []
+
+    def denied():
+        calls.append(1)
+        raise client_error("AccessDenied", 403)
+
+    with pytest.raises(s3.BadInput, match="upload: access to s3://b/ denied"):
+        s3.retrying("upload", "b", seconds=30)(denied)
+    assert len(calls) == 1
+
+
+def test_a_transient_error_is_retried_until_it_passes():
+    answers = [client_error("SlowDown", 503), "ok"]
+
+    def flaky():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    retry = s3.retrying("upload", "b", seconds=30)
+    retry.retrying.wait = lambda state: 0  # no real backoff in a unit test
+    assert retry(flaky) == "ok" and not answers
+
+
+@pytest.mark.parametrize("uri,bucket,prefix", [
+    ("s3://b/runs/x", "b", "runs/x/"),
+    ("s3://b/runs/x/", "b", "runs/x/"),
+    ("s3://b", "b", ""),
+])
+def test_locations_normalise_their_prefix(uri, bucket, prefix):
+    where = s3.Location.parse(uri)
+    assert (where.bucket, where.prefix) == (bucket, prefix)
+    assert where.key("checkpoints", "step-00000005", "manifest.json") == prefix + "checkpoints/step-00000005/manifest.json"
+
+
+@pytest.mark.parametrize("uri", ["", "s3://", "https://b/x", "b/x"])
+def test_a_location_that_is_not_an_s3_uri_is_bad_input(uri):
+    with pytest.raises(s3.BadInput, match="is not an s3://bucket/prefix/ URI"):
+        s3.Location.parse(uri)
