@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import os
 import sys
 import tempfile
@@ -150,9 +151,10 @@ class Store:
         except botocore.exceptions.BotoCoreError as err:
             raise explained(err, self.bucket) from None
         try:
-            return json.loads(body)
+            value = json.loads(body)
         except ValueError:
             return None
+        return value if isinstance(value, dict) else None  # anyone may write the bucket: shape first
 
     def download(self, key: str, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,9 +215,9 @@ def _run_above(path: str, roots: set[str]) -> str | None:
 
 
 def _step_of(name: str) -> int | None:
-    if name.startswith("step-") and name[5:].isdigit():
-        return int(name[5:])
-    return None
+    # ASCII digits only, the whole name: str.isdigit() also takes other scripts' digits.
+    match = re.fullmatch(r"step-([0-9]{8,})", name)
+    return int(match.group(1)) if match else None
 
 
 # -- the state of a run ---------------------------------------------------------------------------
@@ -225,14 +227,15 @@ def summarize(store: Store, run: RunFiles, bucket: str, stale_after: float) -> d
     now = time.time()  # after the read: a heartbeat written meanwhile is not in the future
     finished = "COMPLETE" in run.keys
     complete = (store.read_json(run.prefix + "COMPLETE") if finished else None) or {}
-    progress = status.get("progress") or {}
+    progress = _mapping(status.get("progress"))
     newest = max(run.committed, default=None)
     meta = {}
     if newest is not None and progress.get("max_steps") is None:  # no trainer report: ask the checkpoint
         manifest = store.read_json(f"{run.prefix}{CHECKPOINTS}/step-{newest:08d}/{MANIFEST}") or {}
-        meta = manifest.get("meta") or {}
-    heartbeat = status.get("heartbeat_at")
-    attempts = status.get("attempts") or []
+        meta = _mapping(manifest.get("meta"))
+    heartbeat = _number(status.get("heartbeat_at"))
+    attempts = [a for a in status.get("attempts") or [] if isinstance(a, dict)] \
+        if isinstance(status.get("attempts"), list) else []
     return {
         "run": run.name or run.prefix.rstrip("/").rsplit("/", 1)[-1] or bucket,
         "uri": f"s3://{bucket}/{run.prefix}",
@@ -262,17 +265,26 @@ def state_of(status: dict, complete: bool, stale_after: float, now: float) -> st
         return "completed"
     if not status:
         return "unknown"
-    state = status.get("state")
+    state = status.get("state") if isinstance(status.get("state"), str) else None
     if state in LIVE_STATES:
-        heartbeat = status.get("heartbeat_at") or status.get("updated_at") or 0
+        heartbeat = _number(status.get("heartbeat_at")) or _number(status.get("updated_at")) or 0
         return "stale" if now - heartbeat > stale_after else state
-    last = (status.get("attempts") or [{}])[-1]
+    attempts = status.get("attempts")
+    last = _mapping(attempts[-1]) if isinstance(attempts, list) and attempts else {}
     code = last.get("exit_code")
     if state == "failed" or (code is not None and code != 0 and code not in STOPPED_BY_SIGNAL):
         return "failed"
     if state == "completed":
         return "incomplete"
     return state or "unknown"
+
+
+def _mapping(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value) -> float | None:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _first(*values):

@@ -1,0 +1,59 @@
+"""scripts/status.py's pure parts: which objects make a run, and the state a status.json means,
+including status.json files that someone else wrote into the bucket."""
+
+from __future__ import annotations
+
+import pytest
+
+import status
+
+NOW = 1_000_000.0
+STALE = 300.0
+
+
+@pytest.mark.parametrize("case,record,complete,expected", [
+    ("finished", {}, True, "completed"),
+    ("nothing yet", {}, False, "unknown"),
+    ("running, fresh heartbeat", {"state": "running", "heartbeat_at": NOW - 10}, False, "running"),
+    ("running, old heartbeat", {"state": "running", "heartbeat_at": NOW - 900}, False, "stale"),
+    ("starting, no heartbeat, updated lately", {"state": "starting", "updated_at": NOW - 5}, False, "starting"),
+    ("interrupted by SIGTERM", {"state": "interrupted", "attempts": [{"exit_code": 143}]}, False, "interrupted"),
+    ("a crash", {"state": "interrupted", "attempts": [{"exit_code": 1}]}, False, "failed"),
+    ("failed", {"state": "failed"}, False, "failed"),
+    ("exit 0 without COMPLETE", {"state": "completed", "attempts": [{"exit_code": 0}]}, False, "incomplete"),
+    # Anyone who may write the bucket may write these: a wrong shape is "unknown" or ignored, never a crash.
+    ("state not a string", {"state": ["running"]}, False, "unknown"),
+    ("heartbeat not a number", {"state": "running", "heartbeat_at": "soon"}, False, "stale"),
+    ("attempts not a list", {"state": "interrupted", "attempts": "many"}, False, "interrupted"),
+    ("an attempt not a mapping", {"state": "interrupted", "attempts": [7]}, False, "interrupted"),
+])
+def test_state_of_a_run(case, record, complete, expected):
+    assert status.state_of(record, complete, STALE, NOW) == expected
+
+
+def objects(*keys: str) -> list[dict]:
+    return [{"Key": key, "Size": 10} for key in keys]
+
+
+def test_runs_are_the_outermost_folders_with_a_status_or_checkpoints():
+    runs = status.find_runs(objects(
+        "runs/a/status.json",
+        "runs/a/checkpoints/step-00000010/model.pt",
+        "runs/a/checkpoints/step-00000010/manifest.json",
+        "runs/a/checkpoints/step-00000020/model.pt",          # no manifest: not committed
+        "runs/a/tensorboard/events.out.tfevents.1.pod",
+        "runs/a/logs/nested/status.json",                      # inside a run: not a run of its own
+        "runs/b/checkpoints/step-00000005/manifest.json",
+        "runs/stray.txt",
+    ), "runs/")
+    assert sorted(runs) == ["a", "b"]
+    assert runs["a"].committed == {10}
+    assert runs["a"].event_files == ["tensorboard/events.out.tfevents.1.pod"]
+    assert runs["b"].committed == {5}
+    assert runs["a"].size == 60  # every object under the run, its nested folders included
+
+
+@pytest.mark.parametrize("name", ["step-00000010\n", "step-0000001٠", "step-+0000010", "step-", "best"])
+def test_only_plain_step_folders_count_as_committed_steps(name):
+    runs = status.find_runs(objects(f"r/checkpoints/{name}/manifest.json", "r/status.json"), "")
+    assert runs["r"].committed == set()
