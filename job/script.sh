@@ -5,19 +5,31 @@
 # pod's GPUs, puts each committed checkpoint in S3 within seconds, and on any exit uploads what is
 # left. The command is the same for every pod of the Job: what is in S3 decides where it resumes.
 #
-# Settings (environment):
+# Settings (environment), each checked before anything else (exit 64, one line; empty = default):
 #   S3_CODE_URI, S3_DATA_URI, S3_OUTPUT_URI   required, s3://bucket/prefix/ (must not overlap)
-#   WORK_DIR               /home/eai_role/code      code here, data in WORK_DIR/data, outputs in WORK_DIR/out
-#   NPROC_PER_NODE         the visible GPUs, else 1
+#   WORK_DIR               /home/eai_role/code      absolute; code here, data in WORK_DIR/data, outputs in WORK_DIR/out
+#   NPROC_PER_NODE         the visible GPUs, else 1 positive, at most the GPUs the pod sees
 #   TRAIN_CONFIG           config/conf.yaml         relative to the code
-#   TRAIN_ARGS             extra train.py arguments, e.g. "--set train.max_steps=2000"
-#   SYNC_INTERVAL_SECONDS  60                       TensorBoard, log and status uploads
-#   READY_FILE             /tmp/ready               touched once restored (startup probe)
-#   HEALTH_FILE            /tmp/healthy             heartbeat (liveness probe)
-#   AWS_ENDPOINT_URL       an S3-compatible store; every S3 call honours it
-#   S3_RETRY_SECONDS       600                      how long S3 errors are retried before giving up
-#   LEASE_TTL_SECONDS      120                      a dead pod's lease expires after this
+#   TRAIN_ARGS             extra train.py arguments, e.g. "--set train.max_steps=2000"; split as a
+#                          shell splits words (quotes group, newlines separate), nothing evaluated
+#   SYNC_INTERVAL_SECONDS  60                       TensorBoard, log and status uploads (>= 1)
+#   UPLOAD_RETRY_SECONDS   30                       one round of the uploader's retries (>= 1)
+#   READY_FILE             /tmp/ready               absolute; touched once restored (startup probe)
+#   HEALTH_FILE            /tmp/healthy             absolute; heartbeat (liveness probe)
+#   HEALTH_MAX_AGE_SECONDS 600                      liveness fails past this heartbeat age (>= 10: beats every 5 s)
+#   AWS_ENDPOINT_URL       an S3-compatible store (http:// or https://); every S3 call honours it
+#   AWS_MAX_ATTEMPTS       5                        the AWS CLI's attempts per call (>= 1; boto3 has its own)
+#   AWS_RETRY_MODE         standard                 the AWS CLI's: standard, adaptive or legacy
+#   S3_RETRY_SECONDS       600                      how long S3 errors are retried before giving up (>= 1)
+#   S3_LEASE               on                       on or off: off runs without the lease (one pod per prefix is then yours to ensure)
+#   LEASE_TTL_SECONDS      120                      a dead pod's lease expires after this (>= 3: renewed every third)
+#   LEASE_WAIT_SECONDS     3000                     how long a second pod waits for a live pod's lease (>= 0)
 #   S3_SYNC_TOOL           auto                     code and data sync: s5cmd when present, else aws
+#   CHECKPOINT_HMAC_KEY    unset                    signs and checks manifests; when set, 16 bytes or more (never printed)
+# Read as they are: AWS credentials and AWS_DEFAULT_REGION (the Secret or an IAM role), HOSTNAME
+# (the pod's name in logs and the lease), PIP_* (pip), PYTHONPATH (the runtime's folder is added).
+# Set here for the helpers: CODE_DIR, STATE_DIR, LOG_FILE, TORCHELASTIC_ERROR_FILE, PYTHONUNBUFFERED.
+# Everything printed, and the log uploaded to S3, has URL credentials hidden (redact.sed).
 #
 # Exit codes: 0 done (COMPLETE written), 64 bad input (the Job must not retry), 75 S3 or the
 # package index unreachable (a retry may pass), 143 after SIGTERM (130 SIGINT), else the trainer's.
@@ -34,6 +46,8 @@ SIGNALS_SEEN=0
 CHILD_PID=""
 TRAINER_PID=""
 UPLOADER_PID=""
+UPLOADER_RESTARTED=0
+UPLOADER_GAVE_UP=0  # the exit code the pod ends with once the uploader died twice
 HEARTBEAT_PID=""
 TEE_PID=""
 LEASE_HELD=0
@@ -147,11 +161,14 @@ stop_heartbeat() {
 
 # -- settings ---------------------------------------------------------------------------------
 
+# A value as one line with any URL's credentials hidden: it goes into a line that is printed.
+shown() { printf '%s' "$1" | tr '\n' ' ' | LC_ALL=C sed -E -f "${JOB_DIR}/redact.sed"; }
+
 check_s3_uri() {
   local name=$1 value=${!1:-}
   [[ -n "${value}" ]] || die "${EXIT_BAD_INPUT}" "${name} is not set; set it to s3://bucket/prefix/ ($2)"
   [[ "${value}" =~ ^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$ ]] ||
-    die "${EXIT_BAD_INPUT}" "${name}=${value} is not an s3://bucket/prefix/ URI; fix it in job.yaml"
+    die "${EXIT_BAD_INPUT}" "${name}=$(shown "${value}") is not an s3://bucket/prefix/ URI; fix it in job.yaml"
   [[ "${value}" == */ ]] || value="${value}/"
   printf -v "${name}" '%s' "${value}"
   export "${name?}"
@@ -164,9 +181,96 @@ check_no_overlap() {
   fi
 }
 
+# At most 9 digits: bash arithmetic (deadlines) must not overflow.
 check_positive_int() {
   local name=$1 value=${!1}
-  [[ "${value}" =~ ^[1-9][0-9]*$ ]] || die "${EXIT_BAD_INPUT}" "${name}=${value} must be a positive integer; fix it in job.yaml"
+  [[ "${value}" =~ ^[1-9][0-9]{0,8}$ ]] || die "${EXIT_BAD_INPUT}" "${name}=$(shown "${value}") must be a positive integer; fix it in job.yaml"
+}
+
+# A whole number of seconds no lower than MIN; WHY says what a lower one would break.
+check_seconds() {
+  local name=$1 min=$2 why=$3 value=${!1}
+  if ! [[ "${value}" =~ ^(0|[1-9][0-9]{0,8})$ ]] || ((value < min)); then
+    die "${EXIT_BAD_INPUT}" "${name}=$(shown "${value}") must be a whole number of seconds, at least ${min} (${why}); fix it in job.yaml"
+  fi
+}
+
+check_one_of() {
+  local name=$1 value=${!1} choices=$2
+  [[ "${value}" =~ ^(${choices})$ ]] ||
+    die "${EXIT_BAD_INPUT}" "${name}=$(shown "${value}") must be ${3}; fix it in job.yaml"
+}
+
+# The probes read these files from the container's working folder, not the script's: absolute paths.
+check_probe_file() {
+  local name=$1 value=${!1}
+  [[ "${value}" == /* ]] ||
+    die "${EXIT_BAD_INPUT}" "${name}=$(shown "${value}") must be an absolute path (the probes run elsewhere); e.g. /tmp/${value##*/}"
+  [[ -d "$(dirname "${value}")" && -w "$(dirname "${value}")" ]] ||
+    die "${EXIT_BAD_INPUT}" "${name}=$(shown "${value}") is in no writable folder; point it at a writable volume, e.g. /tmp/${value##*/}"
+}
+
+check_s3_settings() {
+  check_s3_uri S3_CODE_URI "where scripts/stage.sh put the code"
+  check_s3_uri S3_DATA_URI "where train.bin and val.bin are"
+  check_s3_uri S3_OUTPUT_URI "where checkpoints and logs go"
+  check_no_overlap S3_OUTPUT_URI S3_CODE_URI
+  check_no_overlap S3_OUTPUT_URI S3_DATA_URI
+  if [[ -n "${AWS_ENDPOINT_URL:-}" && ! "${AWS_ENDPOINT_URL}" =~ ^https?://[^/]+ ]]; then
+    die "${EXIT_BAD_INPUT}" "AWS_ENDPOINT_URL=$(shown "${AWS_ENDPOINT_URL}") has no http:// or https:// scheme; add it"
+  fi
+  S3_RETRY_SECONDS=${S3_RETRY_SECONDS:-600}
+  check_positive_int S3_RETRY_SECONDS
+  # The AWS CLI's own retries: exponential backoff with jitter on throttling, 5xx and resets.
+  AWS_RETRY_MODE=${AWS_RETRY_MODE:-standard}
+  AWS_MAX_ATTEMPTS=${AWS_MAX_ATTEMPTS:-5}
+  check_one_of AWS_RETRY_MODE "standard|adaptive|legacy" "standard, adaptive or legacy"
+  check_positive_int AWS_MAX_ATTEMPTS
+  S3_SYNC_TOOL=${S3_SYNC_TOOL:-auto}
+  if [[ "${S3_SYNC_TOOL}" == auto ]]; then
+    command -v s5cmd >/dev/null 2>&1 && S3_SYNC_TOOL=s5cmd || S3_SYNC_TOOL=aws
+  fi
+  [[ "${S3_SYNC_TOOL}" =~ ^(aws|s5cmd)$ ]] || die "${EXIT_BAD_INPUT}" "S3_SYNC_TOOL=$(shown "${S3_SYNC_TOOL}") must be auto, aws or s5cmd"
+  export S3_RETRY_SECONDS AWS_RETRY_MODE AWS_MAX_ATTEMPTS
+}
+
+# An empty setting means its default, as the probes in job.yaml read them (${VAR:-default}).
+check_timings() {
+  SYNC_INTERVAL_SECONDS=${SYNC_INTERVAL_SECONDS:-60}
+  UPLOAD_RETRY_SECONDS=${UPLOAD_RETRY_SECONDS:-30}
+  LEASE_TTL_SECONDS=${LEASE_TTL_SECONDS:-120}
+  LEASE_WAIT_SECONDS=${LEASE_WAIT_SECONDS:-3000}
+  HEALTH_MAX_AGE_SECONDS=${HEALTH_MAX_AGE_SECONDS:-600}
+  S3_LEASE=${S3_LEASE:-on}
+  check_positive_int SYNC_INTERVAL_SECONDS
+  check_positive_int UPLOAD_RETRY_SECONDS
+  # Renewed every third of it: below 3 s that is more than one S3 write a second (0: no pause at all).
+  check_seconds LEASE_TTL_SECONDS 3 "the lease is renewed every third of it"
+  check_seconds LEASE_WAIT_SECONDS 0 "how long a second pod waits for a live pod's lease"
+  # The pod's own heartbeat comes every 5 s: a limit near that fails the probe on one late beat.
+  check_seconds HEALTH_MAX_AGE_SECONDS 10 "the liveness probe's limit on the heartbeat's age, which is renewed every 5 s"
+  check_one_of S3_LEASE "on|off" "on or off"
+  export SYNC_INTERVAL_SECONDS UPLOAD_RETRY_SECONDS LEASE_TTL_SECONDS LEASE_WAIT_SECONDS HEALTH_MAX_AGE_SECONDS S3_LEASE
+}
+
+# Never shown, not even its length: a key that is set must be long enough to sign with.
+check_secrets() {
+  [[ -v CHECKPOINT_HMAC_KEY ]] || return 0
+  local LC_ALL=C  # ${#...} counts bytes
+  ((${#CHECKPOINT_HMAC_KEY} >= 16)) ||
+    die "${EXIT_BAD_INPUT}" "CHECKPOINT_HMAC_KEY is set but shorter than 16 bytes (its value is not shown); put a random key in its Secret (e.g. openssl rand -hex 32) or unset it"
+}
+
+# Words as a shell splits them, nothing evaluated ($(...), globs and $VARIABLES stay text); an
+# unbalanced quote is refused rather than the text cut short.
+check_train_args() {
+  TRAIN_ARGV=()
+  [[ -n "${TRAIN_ARGS:-}" ]] || return 0
+  need_cmd python3 "use an image with Python 3.9+ and torch"
+  local words="${STATE_DIR}/train-args" code=0
+  TRAIN_ARGS=${TRAIN_ARGS} python3 "${JOB_DIR}/train_args.py" >"${words}" || code=$?
+  ((code == 0)) || die "${EXIT_BAD_INPUT}" "$(shown "$(cat "${words}")")"
+  mapfile -d '' -t TRAIN_ARGV <"${words}"
 }
 
 # nvidia-smi when the image has it; else the device nodes the device plugin gave the pod.
@@ -178,31 +282,7 @@ visible_gpus() {
   fi
 }
 
-validate_settings() {
-  check_s3_uri S3_CODE_URI "where scripts/stage.sh put the code"
-  check_s3_uri S3_DATA_URI "where train.bin and val.bin are"
-  check_s3_uri S3_OUTPUT_URI "where checkpoints and logs go"
-  check_no_overlap S3_OUTPUT_URI S3_CODE_URI
-  check_no_overlap S3_OUTPUT_URI S3_DATA_URI
-  if [[ -n "${AWS_ENDPOINT_URL:-}" && ! "${AWS_ENDPOINT_URL}" =~ ^https?://[^/]+ ]]; then
-    die "${EXIT_BAD_INPUT}" "AWS_ENDPOINT_URL=${AWS_ENDPOINT_URL} has no http:// or https:// scheme; add it"
-  fi
-
-  WORK_DIR=${WORK_DIR:-/home/eai_role/code}
-  TRAIN_CONFIG=${TRAIN_CONFIG:-config/conf.yaml}
-  SYNC_INTERVAL_SECONDS=${SYNC_INTERVAL_SECONDS:-60}
-  READY_FILE=${READY_FILE:-/tmp/ready}
-  HEALTH_FILE=${HEALTH_FILE:-/tmp/healthy}
-  S3_RETRY_SECONDS=${S3_RETRY_SECONDS:-600}
-  check_positive_int SYNC_INTERVAL_SECONDS
-  check_positive_int S3_RETRY_SECONDS
-  [[ "${TRAIN_CONFIG}" != /* ]] || die "${EXIT_BAD_INPUT}" "TRAIN_CONFIG=${TRAIN_CONFIG} must be relative to the code (e.g. config/conf.yaml)"
-  S3_SYNC_TOOL=${S3_SYNC_TOOL:-auto}
-  if [[ "${S3_SYNC_TOOL}" == auto ]]; then
-    command -v s5cmd >/dev/null 2>&1 && S3_SYNC_TOOL=s5cmd || S3_SYNC_TOOL=aws
-  fi
-  [[ "${S3_SYNC_TOOL}" =~ ^(aws|s5cmd)$ ]] || die "${EXIT_BAD_INPUT}" "S3_SYNC_TOOL=${S3_SYNC_TOOL} must be auto, aws or s5cmd"
-
+check_nproc() {
   local gpus
   gpus=$(visible_gpus)
   NPROC_PER_NODE=${NPROC_PER_NODE:-$((gpus > 0 ? gpus : 1))}
@@ -210,10 +290,30 @@ validate_settings() {
   if ((gpus > 0 && NPROC_PER_NODE > gpus)); then
     die "${EXIT_BAD_INPUT}" "NPROC_PER_NODE=${NPROC_PER_NODE} but the pod sees ${gpus} GPUs; lower it or request more nvidia.com/gpu"
   fi
+}
 
+check_work_dir() {
+  WORK_DIR=${WORK_DIR:-/home/eai_role/code}
+  [[ "${WORK_DIR}" == /* ]] ||
+    die "${EXIT_BAD_INPUT}" "WORK_DIR=$(shown "${WORK_DIR}") must be an absolute path, e.g. /home/eai_role/code; fix it in job.yaml"
   if ! mkdir -p "${WORK_DIR}" 2>/dev/null || [[ ! -w "${WORK_DIR}" ]]; then
-    die "${EXIT_BAD_INPUT}" "WORK_DIR=${WORK_DIR} is not writable; mount a volume there"
+    die "${EXIT_BAD_INPUT}" "WORK_DIR=$(shown "${WORK_DIR}") is not writable; mount a volume there"
   fi
+}
+
+validate_settings() {
+  check_s3_settings
+  check_timings
+  check_secrets
+  TRAIN_CONFIG=${TRAIN_CONFIG:-config/conf.yaml}
+  [[ "${TRAIN_CONFIG}" != /* ]] || die "${EXIT_BAD_INPUT}" "TRAIN_CONFIG=$(shown "${TRAIN_CONFIG}") must be relative to the code (e.g. config/conf.yaml)"
+  READY_FILE=${READY_FILE:-/tmp/ready}
+  HEALTH_FILE=${HEALTH_FILE:-/tmp/healthy}
+  check_probe_file READY_FILE
+  check_probe_file HEALTH_FILE
+  check_nproc
+  check_work_dir
+
   CODE_DIR=${WORK_DIR}
   DATA_DIR=${WORK_DIR}/data
   OUTPUT_DIR=${WORK_DIR}/out
@@ -221,10 +321,9 @@ validate_settings() {
   LOG_FILE=${STATE_DIR}/pod.log
   mkdir -p "${DATA_DIR}" "${OUTPUT_DIR}" "${STATE_DIR}"
   rm -f "${STATE_DIR}/lease.json"  # an earlier pod's, on a WORK_DIR that outlives pods
-  export WORK_DIR CODE_DIR STATE_DIR LOG_FILE HEALTH_FILE SYNC_INTERVAL_SECONDS S3_RETRY_SECONDS
+  check_train_args
+  export WORK_DIR CODE_DIR STATE_DIR LOG_FILE HEALTH_FILE
   export PYTHONUNBUFFERED=1
-  # The AWS CLI's own retries: exponential backoff with jitter on throttling, 5xx and resets.
-  export AWS_RETRY_MODE=${AWS_RETRY_MODE:-standard} AWS_MAX_ATTEMPTS=${AWS_MAX_ATTEMPTS:-5}
 }
 
 # -- S3 through the AWS CLI (s5cmd when the image has it) --------------------------------------
@@ -352,8 +451,12 @@ setup_python() {
   [[ ! -f "${CODE_DIR}/requirements.txt" ]] || requirements+=("${CODE_DIR}/requirements.txt")
   run_child bash "${JOB_DIR}/python_env.sh" "${WORK_DIR}" "${STATE_DIR}/python" "${requirements[@]}"
   PYTHON=$(cat "${STATE_DIR}/python")
-  # Installed metadata, not `import torch`: a second of every restart otherwise.
-  log "python: ${PYTHON} ($("${PYTHON}" -c 'import sys; from importlib.metadata import version; print("Python " + sys.version.split()[0] + ", torch " + version("torch"))'))"
+  # Installed metadata, not `import torch`: a second of every restart otherwise. A torch before 2.6
+  # is refused whatever the trainer: its torch.load runs code from a crafted checkpoint (CVE-2025-32434).
+  local runtime code=0
+  runtime=$("${PYTHON}" "${JOB_DIR}/requirements_met.py" --runtime) || code=$?
+  ((code == 0)) || die "${EXIT_BAD_INPUT}" "${runtime:-the Python ${PYTHON} cannot report its torch version (see above)}"
+  log "python: ${PYTHON} (${runtime})"
 }
 
 take_lease() {
@@ -370,6 +473,40 @@ take_lease() {
 start_uploader() {
   "${PYTHON}" "${JOB_DIR}/uploader.py" watch "${S3_OUTPUT_URI}" "${OUTPUT_DIR}" &
   UPLOADER_PID=$!
+}
+
+# Checkpoints reach S3 only through the uploader. One that died is restarted once; one that dies
+# again stops the trainer as SIGTERM does (it commits its step, the final upload puts it in S3)
+# and the pod exits 75 for the Job's next pod to carry on (64 when the uploader said bad input).
+supervise_uploader() {
+  [[ -n "${UPLOADER_PID}" && -z "${STOP_SIGNAL}" ]] || return 0  # stopping anyway: `finish` uploads
+  ! kill -0 "${UPLOADER_PID}" 2>/dev/null || return 0
+  local code=0
+  wait "${UPLOADER_PID}" 2>/dev/null || code=$?
+  UPLOADER_PID=""
+  if ((!UPLOADER_RESTARTED)); then
+    UPLOADER_RESTARTED=1
+    warn "the uploader died (exit ${code}); restarting it"
+    start_uploader
+    return 0
+  fi
+  UPLOADER_GAVE_UP=$((code == EXIT_BAD_INPUT ? EXIT_BAD_INPUT : EXIT_UNAVAILABLE))
+  log "error: the uploader died again (exit ${code}) after its restart: stopping the trainer (it commits its step), then exit ${UPLOADER_GAVE_UP} for the Job's next pod" >&2
+  kill -s TERM "${TRAINER_PID}" 2>/dev/null || true
+}
+
+# A second at a time, checking on the uploader between: a plain `wait` would block until
+# training ends while checkpoints no longer reach S3. A trapped signal ends the sleep's wait at
+# once (on_signal forwards it), so SIGTERM is handled as promptly as before.
+wait_for_trainer() {
+  local sleeper
+  while kill -0 "${TRAINER_PID}" 2>/dev/null; do
+    supervise_uploader
+    sleep 1 &
+    sleeper=$!
+    wait "${sleeper}" 2>/dev/null || kill "${sleeper}" 2>/dev/null || true
+  done
+  wait_for "${TRAINER_PID}"
 }
 
 stop_uploader() {
@@ -390,23 +527,24 @@ mark_ready() {
 
 run_trainer() {
   stop_if_asked
-  local -a extra=()
-  read -r -a extra <<<"${TRAIN_ARGS:-}"
   local error_file="${STATE_DIR}/trainer-error.json"
   rm -f "${error_file}"
-  log "torchrun --standalone --nproc_per_node=${NPROC_PER_NODE} train.py --config ${TRAIN_CONFIG} ${TRAIN_ARGS:-}"
+  log "torchrun --standalone --nproc_per_node=${NPROC_PER_NODE} train.py --config ${TRAIN_CONFIG}${TRAIN_ARGV[*]:+$(printf ' %q' "${TRAIN_ARGV[@]}")}"
   # PYTHONPATH: a trainer that brings no checkpoint.py of its own uses the runtime's.
   TORCHELASTIC_ERROR_FILE=${error_file} PYTHONPATH=${PYTHONPATH:+${PYTHONPATH}:}${JOB_DIR} \
     "${PYTHON}" -m torch.distributed.run --standalone \
     --nproc_per_node="${NPROC_PER_NODE}" "${CODE_DIR}/train.py" --config "${CODE_DIR}/${TRAIN_CONFIG}" \
-    --data_dir "${DATA_DIR}" --output_dir "${OUTPUT_DIR}" "${extra[@]}" &
+    --data_dir "${DATA_DIR}" --output_dir "${OUTPUT_DIR}" "${TRAIN_ARGV[@]}" &
   TRAINER_PID=$!
   [[ -z "${STOP_SIGNAL}" ]] || kill -s "${STOP_SIGNAL}" "${TRAINER_PID}" 2>/dev/null || true  # came before $!
   local code=0
-  wait_for "${TRAINER_PID}" || code=$?
+  wait_for_trainer || code=$?
   TRAINER_PID=""
   if [[ -n "${STOP_SIGNAL}" ]] && ((code != 0)); then
     return "$(signal_exit_code)"  # a trainer that had finished keeps its 0
+  fi
+  if ((UPLOADER_GAVE_UP && code != 0)); then
+    return "${UPLOADER_GAVE_UP}"  # said when it was decided
   fi
   if ((code != 0)) && [[ -f "${error_file}" ]]; then
     # torchrun exits 1 whatever its workers' codes; their root cause carries the real one.
@@ -464,7 +602,9 @@ main() {
   trap 'on_signal TERM' TERM
   trap 'on_signal INT' INT
   validate_settings
-  exec > >(tee -a "${LOG_FILE}") 2>&1
+  # Everything the pod prints, and the log the uploader puts in S3, with URL credentials hidden
+  # (a token in a requirements index URL that pip quotes). sed -u: line by line, no buffering.
+  exec > >(LC_ALL=C sed -u -E -f "${JOB_DIR}/redact.sed" | tee -a "${LOG_FILE}") 2>&1
   TEE_PID=$!
   trap finish EXIT
   log "pod ${HOSTNAME:-?} starting: code ${S3_CODE_URI}, data ${S3_DATA_URI}, output ${S3_OUTPUT_URI}, ${NPROC_PER_NODE} process(es), sync with ${S3_SYNC_TOOL}"

@@ -1,0 +1,140 @@
+"""The pod's settings: each bad one stops job/script.sh before it touches S3, with exit 64 and one
+line that names the setting, the bad value and the fix; good ones pass. TRAIN_ARGS is split as a
+shell splits words, with nothing evaluated.
+
+Pure in the sense of the unit layer: script.sh runs as a plain process (no root, no S3 server). Its
+`aws` is a stand-in that refuses the credentials, so a run whose settings pass stops at the first S3
+call with "no AWS credentials", after its "pod ... starting" line.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import train_args
+from podlab import ROOT
+
+SCRIPT = ROOT / "job" / "script.sh"
+HMAC_KEY = "k3y-that-must-never-show"  # 24 bytes: long enough, so the short one below is its prefix
+
+
+@pytest.fixture
+def pod(tmp_path):
+    """Runs script.sh with these settings on top of good ones; returns (exit code, output lines)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_aws = bin_dir / "aws"
+    fake_aws.write_text("#!/bin/sh\necho 'Unable to locate credentials' >&2\nexit 255\n")
+    fake_aws.chmod(0o755)
+
+    def run(**settings: str) -> tuple[int, list[str]]:
+        env = {
+            "PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
+            "S3_CODE_URI": "s3://bucket/code/", "S3_DATA_URI": "s3://bucket/data/",
+            "S3_OUTPUT_URI": "s3://bucket/runs/r/", "WORK_DIR": str(tmp_path / "work"),
+            "READY_FILE": str(tmp_path / "ready"), "HEALTH_FILE": str(tmp_path / "healthy"),
+            "NPROC_PER_NODE": "1", "S3_RETRY_SECONDS": "1", "S3_SYNC_TOOL": "aws",
+        }
+        env.update(settings)
+        env = {k: v for k, v in env.items() if v is not None}
+        result = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+        return result.returncode, (result.stdout + result.stderr).splitlines()
+    return run
+
+
+def passed_validation(code: int, lines: list[str]) -> bool:
+    started = any(" starting: code " in line for line in lines)
+    return code == 64 and started and any("error: no AWS credentials" in line for line in lines)
+
+
+BAD = [
+    # (setting, value, what the one line must say)
+    ("LEASE_TTL_SECONDS", "0", "LEASE_TTL_SECONDS=0 must be a whole number of seconds, at least 3"),
+    ("LEASE_TTL_SECONDS", "2", "LEASE_TTL_SECONDS=2 must be a whole number of seconds, at least 3"),
+    ("LEASE_TTL_SECONDS", "1.5", "LEASE_TTL_SECONDS=1.5 must be a whole number of seconds, at least 3"),
+    ("LEASE_WAIT_SECONDS", "-1", "LEASE_WAIT_SECONDS=-1 must be a whole number of seconds, at least 0"),
+    ("LEASE_WAIT_SECONDS", "an hour", "LEASE_WAIT_SECONDS=an hour must be a whole number of seconds, at least 0"),
+    ("UPLOAD_RETRY_SECONDS", "0", "UPLOAD_RETRY_SECONDS=0 must be a positive integer"),
+    ("HEALTH_MAX_AGE_SECONDS", "5", "HEALTH_MAX_AGE_SECONDS=5 must be a whole number of seconds, at least 10"),
+    ("HEALTH_MAX_AGE_SECONDS", "10m", "HEALTH_MAX_AGE_SECONDS=10m must be a whole number of seconds, at least 10"),
+    ("S3_RETRY_SECONDS", "-5", "S3_RETRY_SECONDS=-5 must be a positive integer"),
+    ("SYNC_INTERVAL_SECONDS", "soon", "SYNC_INTERVAL_SECONDS=soon must be a positive integer"),
+    ("NPROC_PER_NODE", "0", "NPROC_PER_NODE=0 must be a positive integer"),
+    ("AWS_MAX_ATTEMPTS", "0", "AWS_MAX_ATTEMPTS=0 must be a positive integer"),
+    ("AWS_RETRY_MODE", "fast", "AWS_RETRY_MODE=fast must be standard, adaptive or legacy"),
+    ("S3_LEASE", "no", "S3_LEASE=no must be on or off"),
+    ("READY_FILE", "ready", "READY_FILE=ready must be an absolute path"),
+    ("HEALTH_FILE", "tmp/healthy", "HEALTH_FILE=tmp/healthy must be an absolute path"),
+    ("HEALTH_FILE", "/no/such/dir/healthy", "HEALTH_FILE=/no/such/dir/healthy is in no writable folder"),
+    ("WORK_DIR", "work", "WORK_DIR=work must be an absolute path"),
+    ("CHECKPOINT_HMAC_KEY", "", "CHECKPOINT_HMAC_KEY is set but shorter than 16 bytes"),
+    ("CHECKPOINT_HMAC_KEY", HMAC_KEY[:15], "CHECKPOINT_HMAC_KEY is set but shorter than 16 bytes"),
+    ("TRAIN_ARGS", "--set 'train.max_steps=10", "TRAIN_ARGS has an unbalanced quote"),
+    ("TRAIN_ARGS", "--set train.max_steps=10 \\", "TRAIN_ARGS ends in a lone backslash"),
+]
+
+
+@pytest.mark.parametrize("name,value,message", BAD, ids=[f"{n}={v!r}" for n, v, _ in BAD])
+def test_a_bad_setting_stops_the_pod_with_one_line_before_any_s3_call(pod, name, value, message):
+    code, lines = pod(**{name: value})
+    assert code == 64, lines
+    errors = [line for line in lines if "error: " in line]
+    assert len(errors) == 1 and message in errors[0], lines
+    assert "fix it in job.yaml" in errors[0] or "; " in errors[0], "the line says how to fix it"
+    assert not any(" starting: code " in line for line in lines), "stopped before the S3 check"
+    if name == "CHECKPOINT_HMAC_KEY" and value:
+        assert value not in "\n".join(lines)
+
+
+GOOD = [
+    {},  # the defaults
+    {"LEASE_TTL_SECONDS": "3", "LEASE_WAIT_SECONDS": "0", "HEALTH_MAX_AGE_SECONDS": "10",
+     "UPLOAD_RETRY_SECONDS": "1", "AWS_MAX_ATTEMPTS": "1", "AWS_RETRY_MODE": "adaptive", "S3_LEASE": "off"},
+    {"S3_LEASE": "on", "CHECKPOINT_HMAC_KEY": HMAC_KEY, "TRAIN_ARGS": "--set 'train.name=a b'\n--set log.interval=1"},
+    {"LEASE_TTL_SECONDS": "", "HEALTH_MAX_AGE_SECONDS": "", "S3_LEASE": ""},  # empty: the default, as the probes read it
+]
+
+
+@pytest.mark.parametrize("settings", GOOD, ids=[",".join(s) or "defaults" for s in GOOD])
+def test_good_settings_pass_and_a_key_never_shows(pod, settings):
+    code, lines = pod(**settings)
+    assert passed_validation(code, lines), lines
+    assert HMAC_KEY not in "\n".join(lines)
+
+
+# -- TRAIN_ARGS: words as a shell splits them, nothing evaluated ---------------------------------
+
+SPLITS = [
+    ("", []),
+    ("--set train.max_steps=2000", ["--set", "train.max_steps=2000"]),
+    ("--set a=1\n--set b=2", ["--set", "a=1", "--set", "b=2"]),  # a newline separates, drops nothing
+    ("  --set\ta=1  ", ["--set", "a=1"]),
+    ("--set 'run.name=my run'", ["--set", "run.name=my run"]),
+    ('--set "run.name=it\'s"', ["--set", "run.name=it's"]),
+    ("--set run.name=a\\ b", ["--set", "run.name=a b"]),
+    ("--set x=$(touch /tmp/pwned) --set y=$HOME", ["--set", "x=$(touch", "/tmp/pwned)", "--set", "y=$HOME"]),
+    ("--set x=`id` --set y=*", ["--set", "x=`id`", "--set", "y=*"]),  # no command substitution, no globbing
+    ("--set x=#1", ["--set", "x=#1"]),  # not a comment
+    ("--set 'a=line one\nline two'", ["--set", "a=line one\nline two"]),
+]
+
+
+@pytest.mark.parametrize("text,words", SPLITS)
+def test_train_args_are_split_as_shell_words_with_nothing_evaluated(text, words):
+    assert train_args.split(text) == words
+
+
+@pytest.mark.parametrize("text,message", [
+    ("--set 'a=1", "TRAIN_ARGS has an unbalanced quote"),
+    ('--set "a=1', "TRAIN_ARGS has an unbalanced quote"),
+    ("--set a=1 \\", "TRAIN_ARGS ends in a lone backslash"),
+])
+def test_train_args_that_cannot_be_split_are_refused_with_the_fix(text, message):
+    with pytest.raises(ValueError, match=message) as err:
+        train_args.split(text)
+    assert "\n" not in str(err.value) and "fix" in str(err.value)
+
