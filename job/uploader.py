@@ -12,7 +12,13 @@ newest is never deleted.
 Every SYNC_INTERVAL_SECONDS: TensorBoard event files (up to their last whole record: a file being
 written never goes up cut mid-record), this attempt's log (up to its last whole line), and
 status.json, the run's state for scripts/status.py. `final` does one last round; after exit code 0
-at the last step it writes COMPLETE, last of all.
+it writes COMPLETE, last of all, once the trainer's last step is in S3 (the step progress.json
+reports as max_steps; for a trainer that writes no progress.json, its newest committed step).
+
+Checkpoints come first and depend on nothing else: status.json and the growing files each fail on
+their own (a warning, a backoff of their own). A status.json in S3 that is not what this uploader
+writes counts as empty, with one warning, and is replaced. A restarted watcher (the pod restarts
+one that died) carries on this pod's attempt.
 
 Every write first proves the pod still holds the run's lease (lease.py). S3 outages: the watcher
 retries with exponential backoff and jitter forever (training never waits on it); `final` gives up
@@ -85,6 +91,7 @@ class Uploader:
         self.remote: dict[str, dict | None] = {}  # checkpoint name -> its manifest's files in S3
         self.keeper: Keeper | None = None
         self.attempt: dict = {}
+        self.attempts: list[dict] = []
 
     # -- the lease ------------------------------------------------------------------------------
 
@@ -240,7 +247,7 @@ class Uploader:
             for path in sorted(p for p in events.rglob("*") if p.is_file()):
                 key = self.run.key("tensorboard", str(path.relative_to(events)))
                 self._put_prefix(path, key, whole_records_length(path, self.sent.get(key, 0)))
-        if self.log_file and self.log_file.is_file():
+        if self.log_file and self.log_file.is_file() and self.attempt:  # its name needs the attempt
             self._put_prefix(self.log_file, self.run.key("logs", self.log_name()),
                              whole_lines_length(self.log_file))
 
@@ -259,13 +266,12 @@ class Uploader:
 
     def begin_attempt(self) -> None:
         """Number this pod's attempt in status.json; earlier ones that never ended were lost."""
-        status, _ = s3lib.get_json(self.s3, self.run, self.run.key("status.json"), self.retry)
-        attempts = (status or {}).get("attempts", [])
+        attempts = self._attempts_in_s3()
         for old in attempts:
             if old.get("ended_at") is None:
                 old.update(ended_at=old.get("heartbeat_at") or old.get("started_at"), exit_code=None, lost=True)
         now = time.time()
-        self.attempt = {"attempt": len(attempts) + 1, "pod": os.environ.get("HOSTNAME", "pod"),
+        self.attempt = {"attempt": len(attempts) + 1, "pod": _pod_name(),
                         "started_at": now, "heartbeat_at": now, "ended_at": None, "exit_code": None,
                         "start_step": None, "end_step": None}
         attempts.append(self.attempt)
@@ -273,16 +279,35 @@ class Uploader:
         (self.state_dir / "attempt.json").write_text(json.dumps(attempts))
         self.write_status("starting")
 
+    def _attempts_in_s3(self) -> list[dict]:
+        try:
+            status, _ = s3lib.get_json(self.s3, self.run, self.run.key("status.json"), self.retry)
+            attempts = attempts_in(status)
+        except ValueError:  # not JSON
+            attempts = None
+        if attempts is None:
+            log("uploader", f"warning: {self.run}status.json is damaged (not the JSON this uploader writes): "
+                            "it counts as empty (earlier attempts are forgotten) and is replaced")
+            return []
+        return attempts
+
     def resume_attempt(self) -> None:
-        """The attempt the watcher began; or begin it now if S3 was down the whole time."""
-        attempts = _read_json(self.state_dir / "attempt.json")
-        if not attempts:
+        """This pod's attempt, begun by its watcher (before a restart, or before `final`); or begin
+        it now if S3 was down the whole time."""
+        attempts = open_attempts(_read_json(self.state_dir / "attempt.json"), _pod_name())
+        if attempts is None:
             self.begin_attempt()
             return
         self.attempts, self.attempt = attempts, attempts[-1]
 
+    def report(self, state: str) -> None:
+        """status.json, for the attempt this pod began or carries on."""
+        if not self.attempt:
+            self.resume_attempt()
+        self.write_status(state)
+
     def write_status(self, state: str) -> None:
-        progress = _read_json(self.out / "progress.json") or {}
+        progress = self.progress()
         if progress and self.attempt.get("start_step") is None:
             self.attempt["start_step"] = progress.get("start_step", progress.get("step"))
         self.attempt["end_step"] = progress.get("step", self.attempt.get("end_step"))
@@ -296,21 +321,52 @@ class Uploader:
         s3lib.put_json(self.s3, self.run, self.run.key("status.json"), status, self.write)
         (self.state_dir / "attempt.json").write_text(json.dumps(self.attempts))
 
+    def progress(self) -> dict:
+        """What the trainer last reported; {} when it reports nothing (a trainer of one's own)."""
+        progress = _read_json(self.out / "progress.json")
+        return progress if isinstance(progress, dict) else {}
+
     def write_complete(self) -> bool:
-        progress = _read_json(self.out / "progress.json") or {}
-        last = progress.get("max_steps")
-        if progress.get("step") != last or self.remote_files(checkpoint.step_dir_name(last)) is None:
-            log("uploader", f"not writing COMPLETE: step {progress.get('step')} of {last} is the newest in S3")
+        progress = self.progress()
+        newest = max((s for s, _ in checkpoint.committed_steps(self.out / "checkpoints")), default=None)
+        last, why = step_to_complete(progress, newest)
+        if last is not None and self.remote_files(checkpoint.step_dir_name(last)) is None:
+            last, why = None, f"step {last} is not in S3"
+        if last is None:
+            log("uploader", f"not writing COMPLETE: {why}")
             return False
         seconds = sum((a.get("ended_at") or time.time()) - a["started_at"] for a in self.attempts)
         summary = {"steps": last, "train_loss": progress.get("train_loss"), "val_loss": progress.get("val_loss"),
                    "best_val_loss": progress.get("best_val_loss"), "best_step": progress.get("best_step"),
-                   "attempts": len(self.attempts), "wall_seconds": round(seconds, 1),
-                   "completed_at": time.time(), "pod": self.attempt["pod"]}
+                   "attempts": len(self.attempts) or 1, "wall_seconds": round(seconds, 1),
+                   "completed_at": time.time(), "pod": self.attempt.get("pod", _pod_name())}
         log("uploader", "writing COMPLETE...")
         s3lib.put_json(self.s3, self.run, self.run.key("COMPLETE"), summary, self.write)
         log("uploader", f"wrote {self.run}COMPLETE: {json.dumps(summary)}")
         return True
+
+
+class Chore:
+    """One of the watcher's jobs, on its own schedule and with its own backoff: one that keeps
+    failing (a damaged file, a bug) never delays another, above all not the checkpoints."""
+
+    def __init__(self, name: str, do, every: float):
+        self.name, self.do, self.every = name, do, every
+        self.due, self.backoff = 0.0, 0.0
+
+    def run_if_due(self) -> None:
+        if time.monotonic() < self.due:
+            return
+        try:
+            self.do()
+            self.backoff, self.due = 0.0, time.monotonic() + self.every
+        except LeaseLost:
+            raise
+        except Exception as err:  # noqa: BLE001 - whatever it is, the watcher must not die silently
+            self.backoff = min(60.0, max(2.0, self.backoff * 2))
+            what = str(err) if isinstance(err, (s3lib.Unavailable, s3lib.BadInput)) else repr(err)
+            log("uploader", f"warning: {self.name}: {what}; training goes on, next try in {self.backoff:.0f}s")
+            self.due = time.monotonic() + self.backoff * random.uniform(0.5, 1.0)
 
 
 def watch(uploader: Uploader, interval: float) -> int:
@@ -319,41 +375,39 @@ def watch(uploader: Uploader, interval: float) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     uploader.hold_lease()
-    next_sync, backoff = 0.0, 0.0
+    chores = [Chore("checkpoints", uploader.sync_checkpoints, 0.0),
+              Chore("status.json", lambda: uploader.report("running"), interval),
+              Chore("logs and events", uploader.sync_growing_files, interval)]
     while not stopping.is_set():
         try:
-            if not uploader.attempt:
-                uploader.begin_attempt()
-            uploader.sync_checkpoints()
-            if time.monotonic() >= next_sync:
-                uploader.sync_growing_files()
-                uploader.write_status("running")
-                next_sync = time.monotonic() + interval
-            backoff = 0.0
+            for chore in chores:
+                chore.run_if_due()
         except LeaseLost as err:
             log("uploader", f"error: {err}")
             os.kill(os.getppid(), signal.SIGTERM)  # the bootstrap stops the trainer
             return EXIT_LEASE_LOST
-        except Exception as err:  # noqa: BLE001 - whatever it is, this loop must not die silently
-            backoff = min(60.0, max(2.0, backoff * 2))
-            what = str(err) if isinstance(err, (s3lib.Unavailable, s3lib.BadInput)) else repr(err)
-            log("uploader", f"warning: {what}; training goes on, next try in {backoff:.0f}s")
-        stopping.wait(backoff * random.uniform(0.5, 1.0) if backoff else POLL_SECONDS)
+        stopping.wait(POLL_SECONDS)
     uploader.keeper.stop()
     uploader.keeper.join(timeout=5)  # not mid-renewal when `final` takes over
     return 0
 
 
 def final(uploader: Uploader, exit_code: int) -> int:
-    """Everything left, then the attempt's end in status.json, then COMPLETE; then the lease goes."""
+    """The checkpoints left, then the attempt's end in status.json and the log, then COMPLETE; then
+    the lease goes. Only the checkpoints and COMPLETE decide the exit code."""
     uploader.hold_lease()
     started = time.monotonic()
-    try:
-        uploader.resume_attempt()
-        uploader.sync_checkpoints()
+
+    def end_attempt() -> None:
+        if not uploader.attempt:
+            uploader.resume_attempt()
         uploader.attempt.update(ended_at=time.time(), exit_code=exit_code)
         uploader.write_status(_state_for(exit_code))
-        uploader.sync_growing_files()
+
+    try:
+        uploader.sync_checkpoints()
+        _aside("status.json", end_attempt)
+        _aside("logs and events", uploader.sync_growing_files)
         code = 0 if exit_code != 0 or uploader.write_complete() else s3lib.EXIT_UNAVAILABLE
     except LeaseLost as err:
         log("uploader", f"error: {err}; nothing more is uploaded")
@@ -362,6 +416,78 @@ def final(uploader: Uploader, exit_code: int) -> int:
     uploader.keeper.lease.release(uploader.retry)
     log("uploader", f"final upload done in {time.monotonic() - started:.1f}s")
     return code
+
+
+def _aside(name: str, do) -> None:
+    """A part of the final upload that the run does not need: a failure is a warning. S3 being
+    gone or the lease lost still end the final upload."""
+    try:
+        do()
+    except (LeaseLost, s3lib.Unavailable):
+        raise
+    except Exception as err:  # noqa: BLE001 - one line, and the checkpoints and COMPLETE go on
+        what = str(err) if isinstance(err, s3lib.BadInput) else repr(err)
+        log("uploader", f"warning: {name}: {what}; not uploaded")
+
+
+def attempts_in(status) -> list[dict] | None:
+    """The attempts a status.json read from S3 records ([] when there is none yet); None when it is
+    not what this uploader writes (damaged, or another tool's): then it counts as empty."""
+    if status is None:
+        return []
+    attempts = status.get("attempts", []) if isinstance(status, dict) else None
+    if not isinstance(attempts, list) or not all(_is_attempt(a) for a in attempts):
+        return None
+    return attempts
+
+
+def open_attempts(saved, pod: str) -> list[dict] | None:
+    """The attempts this pod's uploader saved locally, when their last is this pod's and still open:
+    a restarted watcher, and `final`, carry that attempt on instead of beginning another."""
+    if not isinstance(saved, list) or not saved or not all(_is_attempt(a) for a in saved):
+        return None
+    last = saved[-1]
+    return saved if last.get("pod") == pod and last.get("ended_at") is None else None
+
+
+def step_to_complete(progress: dict, newest_local: int | None) -> tuple[int | None, str]:
+    """The step S3 must hold for COMPLETE after the trainer exited 0, or None and why not: the last
+    step when progress.json reports one (max_steps), else the newest step the trainer committed
+    (a trainer of one's own need not write progress.json)."""
+    step, last = progress.get("step"), progress.get("max_steps")
+    if _is_int(step) and _is_int(last):
+        return (last, "") if step == last else (None, f"the trainer reported step {step} of {last}")
+    if newest_local is None:
+        return None, "the trainer committed no checkpoint"
+    return newest_local, ""
+
+
+def _is_attempt(value) -> bool:
+    return (isinstance(value, dict) and _is_number(value.get("started_at"))
+            and all(value.get(k) is None or _is_number(value[k]) for k in ("ended_at", "heartbeat_at")))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _pod_name() -> str:
+    return os.environ.get("HOSTNAME", "pod")
+
+
+def _seconds_setting(name: str, default: str) -> float:
+    value = os.environ.get(name, default)
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise s3lib.BadInput(f"{name}={value} must be a positive number of seconds; fix it in job.yaml")
+    return seconds
 
 
 def _state_for(exit_code: int) -> str:
@@ -419,13 +545,15 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return s3lib.EXIT_BAD_INPUT
     run, out = Location.parse(argv[1]), Path(argv[2])
-    if argv[0] == "watch":
+
+    def run_watch() -> int:
         # Short retry rounds: the loop itself backs off and tries again, forever.
-        uploader = Uploader(run, out, retry_seconds=float(os.environ.get("UPLOAD_RETRY_SECONDS", "30")))
-        interval = float(os.environ.get("SYNC_INTERVAL_SECONDS", "60"))
-        return s3lib.main_guard("uploader", lambda: watch(uploader, interval))
-    uploader = Uploader(run, out, retry_seconds=s3lib.retry_seconds())
-    return s3lib.main_guard("uploader", lambda: final(uploader, int(argv[3])))
+        uploader = Uploader(run, out, retry_seconds=_seconds_setting("UPLOAD_RETRY_SECONDS", "30"))
+        return watch(uploader, _seconds_setting("SYNC_INTERVAL_SECONDS", "60"))
+
+    if argv[0] == "watch":
+        return s3lib.main_guard("uploader", run_watch)
+    return s3lib.main_guard("uploader", lambda: final(Uploader(run, out, s3lib.retry_seconds()), int(argv[3])))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,61 @@
+"""The uploader's pure decisions: what a status.json read from S3 is worth, which attempt a
+(re)started uploader carries on, and which step COMPLETE stands for."""
+
+from __future__ import annotations
+
+import pytest
+
+import uploader
+
+GOOD = {"attempt": 1, "pod": "p-1", "started_at": 100.0, "heartbeat_at": 110.0, "ended_at": None,
+        "exit_code": None, "start_step": None, "end_step": 5}
+
+
+@pytest.mark.parametrize("status, attempts", [
+    (None, []),                                         # no status.json yet: a first pod
+    ({}, []),
+    ({"state": "running", "attempts": []}, []),
+    ({"attempts": [GOOD]}, [GOOD]),
+    ({"attempts": [{**GOOD, "ended_at": 120, "exit_code": 143}]}, [{**GOOD, "ended_at": 120, "exit_code": 143}]),
+    ([], None),                                         # JSON, but not an object
+    ("x", None),
+    (3, None),
+    ({"attempts": "x"}, None),
+    ({"attempts": None}, None),
+    ({"attempts": [1]}, None),
+    ({"attempts": [GOOD, "x"]}, None),
+    ({"attempts": [{**GOOD, "started_at": "yesterday"}]}, None),
+    ({"attempts": [{**GOOD, "started_at": True}]}, None),
+    ({"attempts": [{**GOOD, "ended_at": "x"}]}, None),
+    ({"attempts": [{**GOOD, "heartbeat_at": [1]}]}, None),
+    ({"attempts": [{k: v for k, v in GOOD.items() if k != "started_at"}]}, None),
+])
+def test_attempts_in_a_status_read_from_s3(status, attempts):
+    assert uploader.attempts_in(status) == attempts
+
+
+@pytest.mark.parametrize("saved, pod, carried_on", [
+    (None, "p-1", False),                                   # nothing saved: begin one
+    ([], "p-1", False),
+    ([GOOD], "p-1", True),                                  # the uploader restarted in the same pod
+    ([GOOD], "p-2", False),                                 # a WORK_DIR an earlier pod left behind
+    ([{**GOOD, "ended_at": 120.0}], "p-1", False),          # that attempt ended already
+    ({"attempts": [GOOD]}, "p-1", False),                   # not what the uploader writes
+    (["x"], "p-1", False),
+])
+def test_a_restarted_uploader_carries_on_only_this_pods_open_attempt(saved, pod, carried_on):
+    assert (uploader.open_attempts(saved, pod) is not None) == carried_on
+
+
+@pytest.mark.parametrize("progress, newest_local, step", [
+    ({"step": 60, "max_steps": 60}, 60, 60),            # our trainer, at its last step
+    ({"step": 40, "max_steps": 60}, 40, None),          # exit 0 before the last step: not complete
+    ({"step": 60, "max_steps": 60}, 55, 60),            # what S3 must hold is step 60, whatever is local
+    ({}, 7, 7),                                         # a trainer that writes no progress.json
+    ({"step": 3}, 7, 7),                                # one that reports no max_steps
+    ({"step": "x", "max_steps": "y"}, 7, 7),            # nor usable ones
+    ({"step": True, "max_steps": True}, 7, 7),
+    ({}, None, None),                                   # nothing committed at all
+])
+def test_the_step_complete_stands_for(progress, newest_local, step):
+    assert uploader.step_to_complete(progress, newest_local)[0] == step
