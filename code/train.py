@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -46,6 +47,9 @@ from config import Config, ConfigError
 from model import GPT
 
 EXIT_BAD_INPUT = 64
+# torch.load(weights_only=True) runs code from a crafted file before 2.6 (CVE-2025-32434), and a
+# checkpoint comes from S3, which others may be able to write.
+SAFE_TORCH = (2, 6)
 
 # Dense bf16 tensor-core peaks per GPU (NVIDIA datasheets, TFLOP/s). Matched in order against
 # torch.cuda.get_device_name(), so the more specific names come first.
@@ -276,6 +280,9 @@ class Trainer:
 
     def _load_from(self, folder: Path) -> None:
         started = time.monotonic()
+        problem = torch_version_problem(torch.__version__)
+        if problem:
+            raise ConfigError(problem)
         meta = checkpoint.read_manifest(folder)["meta"]
         config.check_same_model(meta.get("model", {}), self.cfg, f"checkpoint {folder.name}")
         weights = torch.load(folder / "model.pt", map_location=self.rt.device, weights_only=True)
@@ -562,6 +569,15 @@ def _duration(seconds: float) -> str:
     seconds = int(seconds)
     hours, rest = divmod(seconds, 3600)
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def torch_version_problem(version: str) -> str | None:
+    """None when this torch may unpickle a checkpoint, else one line saying why not and the fix."""
+    match = re.match(r"([0-9]+)\.([0-9]+)", version)
+    if match and (int(match.group(1)), int(match.group(2))) >= SAFE_TORCH:
+        return None
+    return (f"torch {version} cannot load a checkpoint safely (torch.load runs code from a crafted file "
+            f"before 2.6, CVE-2025-32434); use an image with torch>=2.6")
 
 
 def report_bad_input(err: ConfigError, rt: Runtime) -> int:

@@ -16,12 +16,18 @@ moment leaves either the previous state or a whole new checkpoint.
     prune(root, keep)    keep the newest `keep` committed step folders, never the newest one
 
 The pod runtime uploads a folder's files first and `manifest.json` last, so S3 obeys the same rule.
+
+A manifest may come from a bucket someone else can write, so every reader holds it to one rule
+(manifest_problem): plain file names only (never a path), sizes and sha256 of the right types, a
+format this module knows. With CHECKPOINT_HMAC_KEY set, commit() signs the manifest and a manifest
+without a valid signature does not count.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -34,8 +40,12 @@ from typing import Callable, Iterator
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-STEP_DIR = re.compile(r"^step-(\d{8,})$")
+KNOWN_FORMATS = (1,)
+HMAC_KEY_ENV = "CHECKPOINT_HMAC_KEY"
+STEP_DIR = re.compile(r"step-([0-9]{8,})")
 STAGING_PREFIX = ".staging-"
+MAX_NAME_LENGTH = 255  # what Linux file systems allow in one name
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 8 << 20
 
 
@@ -44,8 +54,16 @@ def step_dir_name(step: int) -> str:
 
 
 def parse_step(name: str) -> int | None:
-    match = STEP_DIR.match(name)
+    # fullmatch and [0-9]: no trailing newline ($ allows one), no non-ASCII digits (\d, int() take them).
+    match = STEP_DIR.fullmatch(name) if isinstance(name, str) else None
     return int(match.group(1)) if match else None
+
+
+def is_file_name(name) -> bool:
+    """A name a checkpoint may hold: one plain file in its folder, never a path out of it."""
+    return (isinstance(name, str) and 0 < len(name) <= MAX_NAME_LENGTH and name.isascii()
+            and name.isprintable() and "/" not in name and "\\" not in name
+            and name not in (".", "..", MANIFEST))
 
 
 class _HashingWriter:
@@ -82,8 +100,7 @@ class Staged:
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[_HashingWriter]:
         """A writable file in the checkpoint; hashed while written, fsynced when closed."""
-        if "/" in name or name == MANIFEST:
-            raise ValueError(f"bad checkpoint file name {name!r}")
+        _check_file_name(name)
         with open(self.path / name, "wb") as file:
             writer = _HashingWriter(file)
             try:
@@ -98,6 +115,7 @@ class Staged:
 
     def adopt(self, name: str, entry: dict) -> None:
         """Count a file the caller put in self.path itself (a download), checked against `entry`."""
+        _check_file_name(name)
         problem = verify_file(self.path / name, entry)
         if problem:
             raise ValueError(problem)
@@ -113,6 +131,10 @@ class Staged:
         same name is kept unless `replace` (then it is swapped out, never left half-deleted)."""
         manifest = {"format": FORMAT, "files": self._entries, "meta": meta or {},
                     "committed_at": time.time()}
+        key = _hmac_key()
+        if key:
+            manifest = json.loads(json.dumps(manifest))  # sign exactly what a reader will parse
+            manifest["hmac"] = manifest_hmac(manifest, key)
         _write_durably(self.path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         _fsync_dir(self.path)
         retired = None
@@ -145,19 +167,72 @@ def stage(final: Path | str) -> Iterator[Staged]:
 
 
 def read_manifest(folder: Path) -> dict | None:
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
+    manifest = _load_manifest(folder)
     return manifest if is_manifest(manifest) else None
 
 
+def _load_manifest(folder: Path):
+    try:
+        return json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def is_manifest(value) -> bool:
-    """The shape of a manifest, wherever it was read from: each file with its size and sha256."""
+    """A manifest every reader may trust, wherever it was read from (see manifest_problem)."""
+    return manifest_problem(value) is None
+
+
+def manifest_problem(value) -> str | None:
+    """None for a manifest that counts, else why not: each file a plain name with its size and
+    sha256, a known format, and with CHECKPOINT_HMAC_KEY set, a valid hmac."""
     files = value.get("files") if isinstance(value, dict) else None
-    return isinstance(files, dict) and all(
-        isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
-        for e in files.values())
+    if not isinstance(files, dict) or not isinstance(value.get("meta", {}), dict) or not all(
+            isinstance(e, dict) and type(e.get("size")) is int and e["size"] >= 0
+            and isinstance(e.get("sha256"), str) and _SHA256.fullmatch(e["sha256"])
+            for e in files.values()):
+        return "its manifest does not list files with size and sha256"
+    bad = next((name for name in files if not is_file_name(name)), None)
+    if bad is not None:
+        return f"its manifest names {_shown(bad)}, which is not a plain file name"
+    if type(value.get("format")) is not int or value["format"] not in KNOWN_FORMATS:
+        return f"its manifest has format {_shown(value.get('format'))}, this runtime reads format {FORMAT}"
+    return _signature_problem(value)
+
+
+def manifest_hmac(manifest: dict, key: bytes) -> str:
+    """HMAC-SHA256 of everything in the manifest but the hmac itself (committed_at included: no
+    field a reader sees is left unsigned, and a field added later is covered by default)."""
+    body = {k: v for k, v in manifest.items() if k != "hmac"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hmac.new(key, b"checkpoint-manifest\n" + canonical.encode(), hashlib.sha256).hexdigest()
+
+
+def _signature_problem(manifest: dict) -> str | None:
+    key = _hmac_key()
+    if not key:
+        return None  # signing is off: an hmac field, if any, is not looked at
+    given = manifest.get("hmac")
+    if not isinstance(given, str):
+        return f"its manifest is not signed ({HMAC_KEY_ENV} is set)"
+    if not hmac.compare_digest(given.encode(), manifest_hmac(manifest, key).encode()):
+        return f"its manifest's hmac does not match {HMAC_KEY_ENV}"
+    return None
+
+
+def _hmac_key() -> bytes | None:
+    return os.environ.get(HMAC_KEY_ENV, "").encode() or None  # an empty key is no key
+
+
+def _shown(value) -> str:
+    """A value from an untrusted manifest, as one short escaped token for a log line."""
+    text = ascii(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_file_name(name) -> None:
+    if not is_file_name(name):
+        raise ValueError(f"bad checkpoint file name {_shown(name)}: a checkpoint holds plain file names only")
 
 
 def is_committed(folder: Path) -> bool:
@@ -167,9 +242,12 @@ def is_committed(folder: Path) -> bool:
 
 def verify(folder: Path, full: bool = True) -> str | None:
     """None if the folder is a whole checkpoint, else the reason it is not."""
-    manifest = read_manifest(folder)
+    manifest = _load_manifest(folder)
     if manifest is None:
         return f"no readable {MANIFEST}"
+    problem = manifest_problem(manifest)
+    if problem:
+        return problem
     files = sorted(manifest["files"].items())
     # hashlib lets go of the GIL: the files hash side by side (model and optimizer state, say).
     workers = min(len(files), os.cpu_count() or 1) if full else 1

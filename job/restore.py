@@ -7,11 +7,17 @@ files are downloaded into a staging folder, each checked against the manifest (s
 and committed locally with the same protocol the trainer uses. A damaged one is skipped with a
 warning that names it, and the one before it is tried. Nothing in S3 is changed.
 
+Whoever can write the bucket can write a manifest, so one counts only if checkpoint.is_manifest
+says so (plain file names, a known format, a valid hmac when CHECKPOINT_HMAC_KEY is set), every
+object's size in the listing matches it before a byte is fetched, and nothing is written outside
+the staging folder. A checkpoint that cannot fit on the local disk is bad input.
+
 Exit 0 (restored, or nothing to restore), 64 (bad input), 75 (S3 unreachable).
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 import time
@@ -45,9 +51,9 @@ def restore(s3, run: Location, out: Path) -> str | None:
         if manifest is None:
             log("restore", f"{name} in S3 has no manifest.json: never committed, ignored")
             continue
-        if not checkpoint.is_manifest(manifest):
-            log("restore", f"warning: {name} in S3 is damaged (its manifest does not list files with "
-                           "size and sha256); trying the one before it")
+        problem = checkpoint.manifest_problem(manifest)
+        if problem:
+            log("restore", f"warning: {name} in S3 is damaged ({problem}); trying the one before it")
             continue
         if checkpoint.verify(local_root / name) is None:
             log("restore", f"{name} is already here and whole")
@@ -63,13 +69,20 @@ def restore(s3, run: Location, out: Path) -> str | None:
 def download(s3, where: Location, manifest: dict, final: Path, retry) -> str | None:
     """Download and verify one checkpoint; None when committed locally, else what was wrong."""
     files = manifest["files"]
-    size = sum(int(entry.get("size", 0)) for entry in files.values())
+    problem = size_problem(files, listed_sizes(s3, where, retry))
+    if problem:
+        return problem
+    size = sum(entry["size"] for entry in files.values())
+    final.parent.mkdir(parents=True, exist_ok=True)
+    check_room(final, size)
     log("restore", f"restoring {final.name}: {len(files)} files, {size / 1e6:.1f} MB")
     started = time.monotonic()
-    final.parent.mkdir(parents=True, exist_ok=True)
 
     def fetch_and_check(name: str, entry: dict) -> str | None:
-        if not retry(fetch, s3, where, name, staged.path / name):
+        target = staged.path / name
+        if target.resolve().parent != staged.path.resolve():  # is_manifest forbids it; never trust one check
+            return f"{name!a} would be written outside the checkpoint folder"
+        if not retry(fetch, s3, where, name, target):
             return f"{name} is named in the manifest but missing"
         try:
             staged.adopt(name, entry)
@@ -86,6 +99,29 @@ def download(s3, where: Location, manifest: dict, final: Path, retry) -> str | N
     log("restore", f"restored {final.name}: {size / 1e6:.1f} MB in {took:.1f}s "
                    f"({size / 1e6 / max(took, 1e-3):.0f} MB/s), verified against its manifest")
     return None
+
+
+def listed_sizes(s3, where: Location, retry) -> dict[str, int]:
+    """Each object of a checkpoint folder in S3 and its size, from one listing."""
+    return {item["Key"][len(where.prefix):]: item["Size"] for item in s3lib.list_objects(s3, where, retry)}
+
+
+def size_problem(files: dict[str, dict], sizes: dict[str, int]) -> str | None:
+    """What the listing says is wrong with a checkpoint, before any byte is fetched."""
+    for name, entry in sorted(files.items()):
+        if name not in sizes:
+            return f"{name} is named in the manifest but missing"
+        if sizes[name] != entry["size"]:
+            return f"{name} has {sizes[name]} bytes in S3, manifest says {entry['size']}"
+    return None
+
+
+def check_room(final: Path, size: int) -> None:
+    """Bad input when the checkpoint cannot fit: a full disk no retry makes room on."""
+    free = shutil.disk_usage(final.parent).free
+    if size > free:
+        raise s3lib.BadInput(f"checkpoint {final.name} needs {size / 1e6:.1f} MB, {free / 1e6:.1f} MB free in "
+                             f"{final.parent}; give the workspace volume more room (emptyDir sizeLimit)")
 
 
 def side_by_side(work, items: list[tuple[str, dict]], workers: int = 4) -> str | None:

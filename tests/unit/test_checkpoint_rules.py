@@ -1,0 +1,182 @@
+"""What the checkpoint protocol accepts from a bucket someone else can write: step names, file
+names, manifest shapes and formats, signatures, and the torch that may unpickle a checkpoint.
+Pure rules: no S3, no root."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import checkpoint
+from train import torch_version_problem
+
+SHA = "0" * 64
+KEY = "unit-test-key-5f1c"
+
+
+def manifest(**change) -> dict:
+    value = {"format": 1, "files": {"model.pt": {"size": 7, "sha256": SHA}}, "meta": {"step": 5},
+             "committed_at": 1.5}
+    value.update(change)
+    return value
+
+
+@pytest.mark.parametrize("name,step", [
+    ("step-00000010", 10),
+    ("step-123456789", 123456789),
+    ("step-00000010\n", None),          # $ matched before a trailing newline
+    ("step-\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668", None),  # Arabic-Indic digits are \d
+    ("step-0000001\uff10", None),       # a fullwidth zero
+    ("step-0000010", None),             # fewer than 8 digits
+    ("step-00000010/", None),
+    (" step-00000010", None),
+    ("best", None),
+])
+def test_parse_step_takes_only_ascii_step_names(name, step):
+    assert checkpoint.parse_step(name) == step
+
+
+@pytest.mark.parametrize("name,ok", [
+    ("model.pt", True),
+    ("state.pt", True),
+    ("with space.pt", True),
+    ("a" * 255, True),
+    ("a" * 256, False),
+    ("", False),
+    (".", False),
+    ("..", False),
+    ("../../train.py", False),
+    ("/etc/passwd", False),
+    ("sub/model.pt", False),
+    ("..\\train.py", False),
+    ("manifest.json", False),
+    ("model\n.pt", False),
+    ("mod\x00el.pt", False),
+    ("mod\u00e9l.pt", False),
+    (7, False),
+])
+def test_a_checkpoint_file_name_is_a_plain_printable_ascii_name(name, ok):
+    assert checkpoint.is_file_name(name) is ok
+    files = {name: {"size": 7, "sha256": SHA}} if isinstance(name, str) else {}
+    if isinstance(name, str):
+        assert checkpoint.is_manifest(manifest(files=files)) is ok
+
+
+@pytest.mark.parametrize("value,problem", [
+    (manifest(), None),
+    ([], "does not list files with size and sha256"),
+    (manifest(files=[]), "does not list files with size and sha256"),
+    (manifest(files={"model.pt": "abc"}), "does not list files with size and sha256"),
+    (manifest(files={"model.pt": {"size": "7", "sha256": SHA}}), "does not list files with size and sha256"),
+    (manifest(files={"model.pt": {"size": True, "sha256": SHA}}), "does not list files with size and sha256"),
+    (manifest(files={"model.pt": {"size": -1, "sha256": SHA}}), "does not list files with size and sha256"),
+    (manifest(files={"model.pt": {"size": 7, "sha256": "abc"}}), "does not list files with size and sha256"),
+    (manifest(meta=[]), "does not list files with size and sha256"),
+    (manifest(files={"../../train.py": {"size": 7, "sha256": SHA}}), "names '../../train.py'"),
+    (manifest(format=2), "has format 2"),
+    (manifest(format="1"), "has format '1'"),
+    (manifest(format=True), "has format True"),
+    ({k: v for k, v in manifest().items() if k != "format"}, "has format None"),
+])
+def test_manifest_problem_names_what_is_wrong(value, problem):
+    found = checkpoint.manifest_problem(value)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and problem in found
+    assert checkpoint.is_manifest(value) is (problem is None)
+
+
+def test_a_hostile_name_is_shown_escaped_and_short():
+    found = checkpoint.manifest_problem(manifest(files={"x\n" * 500: {"size": 1, "sha256": SHA}}))
+    assert "\n" not in found and len(found) < 200
+
+
+def signed(value: dict, key: str = KEY) -> dict:
+    return {**value, "hmac": checkpoint.manifest_hmac(value, key.encode())}
+
+
+@pytest.mark.parametrize("key,value,problem", [
+    (None, manifest(), None),                               # no key: as before
+    (None, manifest(hmac="anything"), None),                # no key: an hmac field is ignored
+    ("", manifest(), None),                                 # an empty key is no key
+    (KEY, signed(manifest()), None),
+    (KEY, manifest(), "is not signed"),
+    (KEY, manifest(hmac=7), "is not signed"),
+    (KEY, signed(manifest(), key="another key"), "does not match CHECKPOINT_HMAC_KEY"),
+    (KEY, {**signed(manifest()), "meta": {"step": 6}}, "does not match CHECKPOINT_HMAC_KEY"),
+    (KEY, {**signed(manifest()), "committed_at": 2.5}, "does not match CHECKPOINT_HMAC_KEY"),
+    (KEY, {**signed(manifest()), "files": {"model.pt": {"size": 8, "sha256": SHA}}},
+     "does not match CHECKPOINT_HMAC_KEY"),
+])
+def test_with_a_key_only_manifests_signed_with_it_count(monkeypatch, key, value, problem):
+    if key is None:
+        monkeypatch.delenv("CHECKPOINT_HMAC_KEY", raising=False)
+    else:
+        monkeypatch.setenv("CHECKPOINT_HMAC_KEY", key)
+    found = checkpoint.manifest_problem(value)
+    assert (found is None) if problem is None else (problem in found)
+    if found:
+        assert KEY not in found
+
+
+def test_the_signature_survives_the_trip_through_json():
+    value = manifest(meta={"step": 5, "val_loss": 0.1 + 0.2, "best_val_loss": float("inf"), "name": "\u00e9"})
+    mac = checkpoint.manifest_hmac(value, KEY.encode())
+    again = json.loads(json.dumps({**value, "hmac": mac}, indent=1, sort_keys=True))
+    assert checkpoint.manifest_hmac(again, KEY.encode()) == mac
+
+
+def write_checkpoint(folder) -> None:
+    with checkpoint.stage(folder) as staged:
+        with staged.open("model.pt") as file:
+            file.write(b"weights")
+        staged.commit(meta={"step": 5})
+
+
+def test_commit_signs_and_readers_check_the_signature(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHECKPOINT_HMAC_KEY", KEY)
+    signed_folder, unsigned_folder = tmp_path / "step-00000005", tmp_path / "step-00000010"
+    write_checkpoint(signed_folder)
+    written = json.loads((signed_folder / "manifest.json").read_text())
+    assert len(written["hmac"]) == 64 and KEY not in json.dumps(written)
+    assert checkpoint.verify(signed_folder) is None
+    monkeypatch.delenv("CHECKPOINT_HMAC_KEY")
+    write_checkpoint(unsigned_folder)
+    assert checkpoint.newest_valid(tmp_path) == unsigned_folder  # no key: the newest, as before
+    monkeypatch.setenv("CHECKPOINT_HMAC_KEY", KEY)
+    skipped = []
+    assert checkpoint.newest_valid(tmp_path, on_skip=lambda f, p: skipped.append(f)) == signed_folder
+    assert not checkpoint.is_committed(unsigned_folder)
+    assert "is not signed" in checkpoint.verify(unsigned_folder)
+
+
+@pytest.mark.parametrize("name", ["../escape.pt", "/tmp/abs.pt", "sub/x.pt", "", "..", "manifest.json", "\u00e9.pt"])
+def test_staged_refuses_a_name_that_is_not_a_plain_file_name(tmp_path, name):
+    with checkpoint.stage(tmp_path / "step-00000001") as staged:
+        with pytest.raises(ValueError):
+            with staged.open(name):
+                pass
+        with pytest.raises(ValueError):
+            staged.adopt(name, {"size": 0, "sha256": SHA})
+    assert not (tmp_path / "escape.pt").exists()
+
+
+@pytest.mark.parametrize("version,ok", [
+    ("2.5.1+cu121", False),
+    ("2.5.0", False),
+    ("2.4.1", False),
+    ("1.13.1", False),
+    ("2.6.0a0+git1234", True),
+    ("2.6.0", True),
+    ("2.6.0+cu124", True),
+    ("2.13.0", True),
+    ("3.0.0", True),
+    ("not a version", False),
+])
+def test_torch_older_than_2_6_may_not_load_a_checkpoint(version, ok):
+    problem = torch_version_problem(version)
+    assert (problem is None) is ok
+    if problem:
+        assert version in problem and "torch>=2.6" in problem and "\n" not in problem
