@@ -1,0 +1,437 @@
+"""Fine-tune a causal LM from a local Hugging Face snapshot, full or LoRA, resuming by itself.
+
+One process:
+    python finetune.py --config ../config/finetune.yaml --model_dir MODEL --data_dir DATA --output_dir OUT
+Every GPU of one machine (what the pod runs):
+    torchrun --standalone --nproc_per_node=4 finetune.py --config config/finetune.yaml --model_dir MODEL ...
+Override single settings with --set group.key=value (e.g. --set model.method=full).
+
+MODEL is a folder made by `save_pretrained` or `hf download --local-dir` (config.json, weights,
+tokenizer); nothing is fetched from a hub. DATA is a JSONL file (or a folder with data.train_file,
+and optionally data.val_file), one record per line with a `text` field, or a `datasets` dataset saved
+with `save_to_disk`. Texts are tokenized, joined with EOS and cut into data.block_size sequences.
+
+Resume: the same command on every start; the newest committed checkpoint under OUTPUT_DIR/checkpoints
+decides (hf_resume.py). SIGTERM/SIGINT: the current step finishes, is committed, exit 143/130.
+Exit 64: bad input (the config, the model snapshot, the data); a retry will not fix it.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before transformers and huggingface_hub are imported: they read these once, at import.
+for _name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+    os.environ[_name] = "1"
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import typing  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import config  # noqa: E402
+from config import ConfigError, _require  # noqa: E402
+
+EXIT_BAD_INPUT = 64
+SCHEDULERS = ("cosine", "linear", "constant_with_warmup")
+
+
+def log(message: str) -> None:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    print(f"{stamp} finetune: {message}", flush=True)
+
+
+# -- settings -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ModelSettings:
+    method: str = "lora"
+    dtype: str = "bfloat16"  # on CUDA; full fine-tunes keep float32 weights and train in bf16 autocast
+    gradient_checkpointing: bool = False
+
+    def check(self) -> None:
+        _require(self.method in ("lora", "full"), "model.method", "must be lora or full")
+        _require(self.dtype in ("bfloat16", "float32"), "model.dtype", "must be bfloat16 or float32")
+
+
+@dataclasses.dataclass
+class LoraSettings:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: str = "all-linear"
+
+    def check(self) -> None:
+        _require(self.r >= 1, "lora.r", "must be at least 1")
+        _require(self.alpha >= 1, "lora.alpha", "must be at least 1")
+        _require(0.0 <= self.dropout < 1.0, "lora.dropout", "must be in [0, 1)")
+        _require(bool(self.modules()), "lora.target_modules", "must name modules (e.g. q_proj,v_proj) or be all-linear")
+
+    def modules(self) -> str | list[str]:
+        if self.target_modules.strip() == "all-linear":
+            return "all-linear"
+        return [m.strip() for m in self.target_modules.split(",") if m.strip()]
+
+
+@dataclasses.dataclass
+class DataSettings:
+    text_field: str = "text"
+    block_size: int = 1024
+    train_file: str = "train.jsonl"
+    val_file: str = "val.jsonl"
+
+    def check(self) -> None:
+        _require(self.block_size >= 2, "data.block_size", "must be at least 2")
+        _require(bool(self.text_field), "data.text_field", "must name a field")
+
+
+@dataclasses.dataclass
+class TrainSettings:
+    batch_size: int = 4
+    grad_accum_steps: int = 8  # per optimizer step, summed over all processes (as in train.py)
+    max_steps: int = 1000
+    learning_rate: float = 2e-4
+    lr_scheduler: str = "cosine"
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 1337
+
+    def check(self) -> None:
+        for key in ("batch_size", "grad_accum_steps", "max_steps"):
+            _require(getattr(self, key) >= 1, f"train.{key}", "must be at least 1")
+        _require(self.learning_rate > 0, "train.learning_rate", "must be positive")
+        _require(self.lr_scheduler in SCHEDULERS, "train.lr_scheduler", f"must be one of {', '.join(SCHEDULERS)}")
+        _require(self.warmup_steps >= 0, "train.warmup_steps", "must be 0 or more")
+        _require(self.weight_decay >= 0, "train.weight_decay", "must be 0 or more")
+        _require(self.grad_clip >= 0, "train.grad_clip", "must be 0 (off) or more")
+
+
+@dataclasses.dataclass
+class EvalSettings:
+    interval: int = 200  # 0: no evaluation
+    max_batches: int = 50
+
+    def check(self) -> None:
+        _require(self.interval >= 0, "eval.interval", "must be 0 (off) or more")
+        _require(self.max_batches >= 1, "eval.max_batches", "must be at least 1")
+
+
+@dataclasses.dataclass
+class CheckpointSettings:
+    interval: int = 100
+    keep: int = 3
+
+    def check(self) -> None:
+        _require(self.interval >= 1, "checkpoint.interval", "must be at least 1")
+        _require(self.keep >= 1, "checkpoint.keep", "must be at least 1 (the newest is never deleted)")
+
+
+@dataclasses.dataclass
+class LogSettings:
+    interval: int = 10
+
+    def check(self) -> None:
+        _require(self.interval >= 1, "log.interval", "must be at least 1")
+
+
+@dataclasses.dataclass
+class Settings:
+    model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
+    lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
+    data: DataSettings = dataclasses.field(default_factory=DataSettings)
+    train: TrainSettings = dataclasses.field(default_factory=TrainSettings)
+    eval: EvalSettings = dataclasses.field(default_factory=EvalSettings)
+    checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
+    log: LogSettings = dataclasses.field(default_factory=LogSettings)
+
+    def check(self) -> None:
+        for group in dataclasses.fields(self):
+            getattr(self, group.name).check()
+
+    def check_world_size(self, world_size: int) -> None:
+        _require(self.train.grad_accum_steps % world_size == 0, "train.grad_accum_steps",
+                 f"({self.train.grad_accum_steps}) must be divisible by the number of processes "
+                 f"({world_size}); change it or NPROC_PER_NODE")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load_settings(path: str | Path, overrides: list[str] | tuple = ()) -> Settings:
+    """config.py's reading, overrides and coercion, for the fine-tuning groups."""
+    raw = config._read_yaml(Path(path))
+    for override in overrides:
+        config._apply_override(raw, override)
+    try:
+        groups = {}
+        hints = typing.get_type_hints(Settings)
+        for group in dataclasses.fields(Settings):
+            values = raw.get(group.name) or {}
+            if not isinstance(values, dict):
+                raise ConfigError(f"{group.name}: expected a mapping of settings, got {config._show(values)}")
+            groups[group.name] = config._build(hints[group.name], values, group.name)
+        config._reject_unknown(raw, [f.name for f in dataclasses.fields(Settings)], "")
+        settings = Settings(**groups)
+        settings.check()
+        return settings
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+def check_model_dir(model_dir: Path) -> None:
+    if not (model_dir / "config.json").is_file():
+        what = "does not exist" if not model_dir.exists() else "holds no config.json"
+        raise ConfigError(f"model snapshot {model_dir} {what}; save one with save_pretrained (or hf download "
+                          f"--local-dir) and upload it to S3_MODEL_URI, or fix --model_dir")
+
+
+def load_texts(data_dir: Path, data: DataSettings) -> tuple[list[str], list[str] | None]:
+    """Train and (optional) validation texts from a JSONL file, a folder of them, or a saved dataset."""
+    if not data_dir.exists():
+        raise ConfigError(f"data {data_dir} does not exist; upload the data to S3_DATA_URI or fix --data_dir")
+    if data_dir.is_dir() and ((data_dir / "dataset_dict.json").is_file() or (data_dir / "state.json").is_file()):
+        return _texts_of_saved_dataset(data_dir, data.text_field)
+    train_path = data_dir if data_dir.is_file() else data_dir / data.train_file
+    if not train_path.is_file():
+        raise ConfigError(f"{data_dir} holds no {data.train_file} and no dataset saved with save_to_disk; "
+                          f"upload one, or set data.train_file")
+    val_path = None if data_dir.is_file() else data_dir / data.val_file
+    val = _texts_of_jsonl(val_path, data.text_field) if val_path and val_path.is_file() else None
+    return _texts_of_jsonl(train_path, data.text_field), val
+
+
+def _texts_of_jsonl(path: Path, field: str) -> list[str]:
+    texts = []
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise ConfigError(f"{path} line {number} is not JSON; make each line one JSON object") from None
+            texts.append(_text_of(record, field, f"{path} line {number}"))
+    if not texts:
+        raise ConfigError(f"{path} holds no records; give it one JSON object per line")
+    return texts
+
+
+def _text_of(record, field: str, where: str) -> str:
+    if not isinstance(record, dict) or field not in record:
+        fields = ", ".join(sorted(map(str, record))) if isinstance(record, dict) else type(record).__name__
+        raise ConfigError(f"{where} has no {field!r} field (it has: {fields}); add it, or set data.text_field "
+                          f"to the field that holds the text")
+    if not isinstance(record[field], str):
+        raise ConfigError(f"{where}: {field!r} is {type(record[field]).__name__}, not text; fix the data")
+    return record[field]
+
+
+def _texts_of_saved_dataset(path: Path, field: str) -> tuple[list[str], list[str] | None]:
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise ConfigError(f"dataset {path} has no 'train' split (it has: {', '.join(loaded)}); save one")
+        val_split = next((loaded[s] for s in ("validation", "val", "test") if s in loaded), None)
+        train_split = loaded["train"]
+    else:
+        train_split, val_split = loaded, None
+
+    def column(split, name):
+        if field not in split.column_names:
+            raise ConfigError(f"dataset {path} ({name}) has no {field!r} field (it has: "
+                              f"{', '.join(split.column_names)}); add it, or set data.text_field to the field "
+                              f"that holds the text")
+        return list(split[field])
+
+    return column(train_split, "train"), column(val_split, "validation") if val_split is not None else None
+
+
+def pack(texts: list[str], tokenizer, block_size: int, what: str) -> list[list[int]]:
+    """Tokens of every text, each followed by EOS, cut into whole block_size sequences."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stream: list[int] = []
+    for start in range(0, len(texts), 1000):
+        for ids in tokenizer(texts[start:start + 1000], add_special_tokens=False)["input_ids"]:
+            stream.extend(ids)
+            stream.extend(eos)
+    blocks = len(stream) // block_size
+    if blocks == 0:
+        raise ConfigError(f"the {what} data holds {len(stream)} tokens, fewer than data.block_size ({block_size}); "
+                          f"give more text or lower data.block_size")
+    return [stream[i * block_size:(i + 1) * block_size] for i in range(blocks)]
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+def build(settings: Settings, args: argparse.Namespace, world_size: int, texts: tuple):
+    """The model (full or with a LoRA adapter), tokenizer, datasets and Trainer."""
+    import datasets
+    import torch
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, PrinterCallback, Trainer,
+                              TrainingArguments, default_data_collator, set_seed)
+
+    cuda = torch.cuda.is_available()
+    bf16 = cuda and settings.model.dtype == "bfloat16"
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
+    train_texts, val_texts = texts
+    block = settings.data.block_size
+    train_blocks = pack(train_texts, tokenizer, block, "training")
+    use_eval = settings.eval.interval > 0 and val_texts is not None
+    val_blocks = pack(val_texts, tokenizer, block, "validation") if use_eval else None
+
+    set_seed(settings.train.seed)  # LoRA's initial A matrices come from the RNG
+    # A frozen base can sit in bf16; a fully trained one keeps float32 master weights under bf16 autocast.
+    load_dtype = torch.bfloat16 if bf16 and settings.model.method == "lora" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, local_files_only=True, dtype=load_dtype)
+    if model.config.vocab_size < len(tokenizer):
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                          f"{model.config.vocab_size}; use the snapshot's own tokenizer")
+    if settings.model.method == "lora":
+        model = _with_lora(model, settings.lora)
+
+    local_accum = settings.train.grad_accum_steps // world_size
+    training_args = TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=settings.train.max_steps,
+        per_device_train_batch_size=settings.train.batch_size,
+        per_device_eval_batch_size=settings.train.batch_size,
+        gradient_accumulation_steps=local_accum,
+        learning_rate=settings.train.learning_rate,
+        lr_scheduler_type=settings.train.lr_scheduler,
+        warmup_steps=settings.train.warmup_steps,
+        weight_decay=settings.train.weight_decay,
+        max_grad_norm=settings.train.grad_clip,
+        seed=settings.train.seed,
+        data_seed=settings.train.seed,
+        save_strategy="steps",
+        save_steps=settings.checkpoint.interval,
+        eval_strategy="steps" if use_eval else "no",
+        eval_steps=settings.eval.interval if use_eval else None,
+        logging_steps=settings.log.interval,
+        report_to="none",  # hf_resume writes TensorBoard events where the pod uploads them
+        disable_tqdm=True,
+        log_level="warning",
+        bf16=bf16,
+        use_cpu=not cuda,
+        ddp_backend="gloo" if world_size > 1 and not cuda else None,
+        dataloader_num_workers=0,
+        activation_checkpointing=settings.model.gradient_checkpointing,
+    )
+    train_data = datasets.Dataset.from_dict({"input_ids": train_blocks, "labels": train_blocks})
+    eval_data = None
+    if use_eval:
+        rows = settings.eval.max_batches * settings.train.batch_size * world_size
+        val_blocks = val_blocks[:rows]
+        eval_data = datasets.Dataset.from_dict({"input_ids": val_blocks, "labels": val_blocks})
+    trainer = Trainer(model=model, args=training_args, train_dataset=train_data, eval_dataset=eval_data,
+                      data_collator=default_data_collator, processing_class=tokenizer)
+    trainer.remove_callback(PrinterCallback)  # hf_resume logs one line per logging step
+    return trainer
+
+
+def _with_lora(model, lora: LoraSettings):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError("model.method is lora but peft is not installed; add peft to requirements.txt "
+                          "or set model.method=full") from None
+    peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             target_modules=lora.modules(), task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, peft_config)
+    except ValueError as err:
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(f"lora.target_modules={lora.target_modules!r} does not fit this model ({first}); "
+                          f"name its linear layers or use all-linear") from None
+
+
+def check_resumable(folder: str | None, settings: Settings) -> None:
+    """A checkpoint resumes only the method it was trained with (an adapter is not full weights)."""
+    if folder is None:
+        return
+    import checkpoint
+
+    meta = (checkpoint.read_manifest(Path(folder)) or {}).get("meta", {})
+    method = meta.get("method")
+    if method and method != settings.model.method:
+        raise ConfigError(f"checkpoint {Path(folder).name} was trained with model.method={method} but the config "
+                          f"says {settings.model.method}; use the config it was trained with, or a new S3_OUTPUT_URI")
+
+
+def run(settings: Settings, args: argparse.Namespace, world_size: int, texts: tuple) -> int:
+    import hf_resume
+    import transformers
+
+    transformers.logging.set_verbosity_warning()
+    trainer = build(settings, args, world_size, texts)
+    resume = hf_resume.attach(trainer, keep=settings.checkpoint.keep,
+                              meta={"method": settings.model.method})
+    folder = resume.checkpoint()
+    check_resumable(folder, settings)
+    if int(os.environ.get("RANK", 0)) == 0:
+        model = trainer.model
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        log(f"{settings.model.method} fine-tune of {args.model_dir}: {trainable / 1e6:.2f}M of {total / 1e6:.2f}M "
+            f"parameters trained, {world_size} process(es), steps to {settings.train.max_steps}")
+    trainer.train(resume_from_checkpoint=folder)
+    code = resume.exit_code()
+    if code == 0 and int(os.environ.get("RANK", 0)) == 0:
+        log(f"done: step {trainer.state.global_step}")
+    return code
+
+
+def report_bad_input(err: Exception) -> int:
+    """One line on stderr, and torchelastic's error file, so torchrun's exit carries code 64."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        payload = {"message": {"message": str(err), "extraInfo": {"timestamp": str(int(time.time()))}}}
+        Path(error_file).write_text(json.dumps(payload))
+    return EXIT_BAD_INPUT
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML settings, e.g. config/finetune.yaml")
+    parser.add_argument("--model_dir", required=True, help="a local model snapshot (config.json, weights, tokenizer)")
+    parser.add_argument("--data_dir", required=True, help="a JSONL file, a folder with data.train_file, or a saved dataset")
+    parser.add_argument("--output_dir", required=True, help="checkpoints/, tensorboard/, progress.json go here")
+    parser.add_argument("--set", action="append", default=[], metavar="GROUP.KEY=VALUE",
+                        help="override one setting (repeatable)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        settings = load_settings(args.config, args.set)
+        settings.check_world_size(world_size)
+        check_model_dir(Path(args.model_dir))
+        texts = load_texts(Path(args.data_dir), settings.data)  # bad data fails before any process group
+    except ConfigError as err:
+        return report_bad_input(err)
+    import hf_resume
+
+    try:
+        return run(settings, args, world_size, texts)
+    except (ConfigError, hf_resume.CheckpointLayoutError) as err:
+        return report_bad_input(err)
+
+
+if __name__ == "__main__":
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)  # as train.py: gloo's threads can abort in interpreter finalization

@@ -1,0 +1,382 @@
+"""Make a Hugging Face Trainer's checkpoints count only once they are whole, and resume from them.
+
+The change to an existing Trainer script (after `trainer = Trainer(...)`):
+
+    import hf_resume
+    resume = hf_resume.attach(trainer)                          # commits each save, handles SIGTERM
+    trainer.train(resume_from_checkpoint=resume.checkpoint())   # newest committed one, or None
+    sys.exit(resume.exit_code())                                # 143 after SIGTERM, 130 after SIGINT
+
+What it does, with transformers' own callback API only:
+
+- After each save the Trainer's `checkpoint-N/` becomes `OUTPUT_DIR/checkpoints/step-N/`, committed
+  with checkpoint.py's protocol (files fsynced, `manifest.json` with every file's size and sha256
+  written last, then renamed into place). The files are *renamed* into the staging folder, not copied
+  and not hard-linked: no second copy on disk, no second write, and no shared inode: the Trainer
+  saves a step's folder again in place when it saves that step twice (a stop right after a scheduled
+  save, `save_strategy="epoch"` at the last step), and its writers truncate an existing file, which
+  through a hard link would rewrite a committed file. The emptied `checkpoint-N/` is removed, so
+  `save_total_limit` has nothing of ours to rotate; retention is `checkpoint.prune(keep)`.
+- `checkpoint()` picks the newest checkpoint that verifies against its manifest; torn ones (a
+  `checkpoint-N/` killed mid-save, a staging folder, a step folder without manifest or with damaged
+  files) are never resumed from: they are removed with a warning that names them.
+- SIGTERM/SIGINT: the step in progress finishes, every process agrees to stop there (a max over the
+  signals seen by all ranks, each step), that step is saved and committed once, training stops.
+  transformers 5.23 has `enable_jit_checkpoint`, but it waits 3 s after SIGTERM, saves inside a step
+  (before the optimizer step, after that step's batches and RNG draws), calls no `on_save` (so no
+  commit), lets ranks disagree about the step and ignores SIGINT; it is switched off here.
+- Each step touches `$HEALTH_FILE`; `OUTPUT_DIR/progress.json` (what the pod reports) and TensorBoard
+  events under `OUTPUT_DIR/tensorboard` (what the pod uploads) are written on rank 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import checkpoint
+
+try:
+    from transformers import TrainerCallback
+except ImportError as err:  # pragma: no cover - the module is useless without it
+    raise ImportError("hf_resume needs transformers (pip install transformers accelerate)") from err
+
+CHECKPOINTS = "checkpoints"
+TRAINER_PREFIX = "checkpoint-"  # transformers' PREFIX_CHECKPOINT_DIR
+_CHUNK = 8 << 20
+
+
+def log(message: str) -> None:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    print(f"{stamp} hf_resume: {message}", flush=True)
+
+
+class CheckpointLayoutError(Exception):
+    """The Trainer wrote something a checkpoint folder cannot hold (a sub-folder: FSDP/DeepSpeed shards)."""
+
+
+# -- committing a Trainer save --------------------------------------------------------------------
+
+class _MovedIn(checkpoint.Staged):
+    """A staged checkpoint whose files are renamed in from the Trainer's folder. Their size and
+    sha256 come from one read (which also fsyncs them): adopt() would read each file twice."""
+
+    def take(self, name: str, entry: dict) -> None:
+        if hasattr(checkpoint, "is_file_name") and not checkpoint.is_file_name(name):
+            raise CheckpointLayoutError(f"bad checkpoint file name {name!r}")
+        self._entries[name] = dict(entry)
+
+
+def _hash_and_sync(path: Path) -> dict:
+    """Size and sha256 of a file the Trainer wrote without fsync; fsynced here, before the manifest."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+        os.fsync(file.fileno())
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def commit_trainer_save(source: Path, root: Path, step: int, meta: dict, beat=lambda: None) -> Path:
+    """Turn the Trainer's `checkpoint-N/` into a committed `root/step-N/` by renaming its files."""
+    final = root / checkpoint.step_dir_name(step)
+    if checkpoint.is_committed(final):  # the same step saved twice: the first commit stands
+        _remove_tree(source)
+        return final
+    entries = sorted(source.iterdir())
+    nested = [p.name for p in entries if p.is_dir()]
+    if nested:
+        raise CheckpointLayoutError(
+            f"{source.name} holds folders ({', '.join(nested)}): sharded FSDP/DeepSpeed checkpoints are "
+            f"not supported; use DDP (the default under torchrun)")
+    root.mkdir(parents=True, exist_ok=True)
+    staged = _MovedIn(final)
+    try:
+        for path in entries:  # same file system: a rename moves no bytes
+            os.rename(path, staged.path / path.name)
+        beat()
+        with ThreadPoolExecutor(max_workers=max(1, min(len(entries), os.cpu_count() or 1))) as pool:
+            hashed = list(pool.map(lambda p: _hash_and_sync(staged.path / p.name), entries))
+        beat()
+        for path, entry in zip(entries, hashed):
+            staged.take(path.name, entry)
+        staged.commit(meta=meta)
+    finally:
+        staged.abandon()
+    _remove_tree(source)
+    return final
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# -- choosing what to resume from -----------------------------------------------------------------
+
+def newest_committed(output_dir: Path | str) -> Path | None:
+    """The newest committed checkpoint under OUTPUT_DIR/checkpoints that verifies; everything torn
+    (the Trainer's own `checkpoint-N/` folders, staging folders, bad step folders) is removed with a
+    warning. Call it on one process (rank 0)."""
+    output_dir = Path(output_dir)
+    root = output_dir / CHECKPOINTS
+    checkpoint.remove_staging_leftovers(root)
+    for torn in sorted(output_dir.glob(f"{TRAINER_PREFIX}*")):
+        # Every save that finished was renamed away into checkpoints/: what is left was cut short.
+        if torn.is_dir():
+            log(f"warning: {torn.name} is a Trainer save that never committed (killed mid-save); removing it")
+            _remove_tree(torn)
+
+    def skip(folder: Path, problem: str) -> None:
+        log(f"warning: skipping checkpoint {folder.name}: {problem}; falling back to the one before it")
+        checkpoint.discard(folder)
+
+    return checkpoint.newest_valid(root, on_skip=skip)
+
+
+# -- the callback ---------------------------------------------------------------------------------
+
+class _Dist:
+    """The process group the Trainer (accelerate) set up, if any, and a gloo group beside it for
+    the small per-step collectives (NCCL would need GPU tensors and drain the GPU queue)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if self.on else 0
+        self.world_size = dist.get_world_size() if self.on else 1
+        self.group = None
+        if self.on:
+            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+
+    def max(self, value: int) -> int:
+        if not self.on:
+            return value
+        import torch
+
+        flag = torch.tensor([value])
+        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item())
+
+    def barrier(self) -> None:
+        if self.on:
+            self.dist.barrier(group=self.group)
+
+    def broadcast(self, value):
+        if not self.on:
+            return value
+        box = [value]
+        self.dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+class CommitCallback(TrainerCallback):
+    """Commits each Trainer save, stops on SIGTERM/SIGINT after saving, reports progress."""
+
+    def __init__(self, output_dir: Path | str, keep: int = 3, health_file: str | None = None,
+                 dist: _Dist | None = None, meta: dict | None = None):
+        self.out = Path(output_dir)
+        self.root = self.out / CHECKPOINTS
+        self.keep = max(int(keep), 1)
+        self.extra_meta = dict(meta or {})
+        self.dist = dist or _Dist()
+        self.master = self.dist.rank == 0
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.health = Path(health_file) if health_file and local_rank == 0 else None
+        self.signum = 0  # a signal this process received
+        self.stopped_by = 0  # the signal all processes agreed to stop for
+        self.start_step = 0
+        self.train_loss = None
+        self.val_loss = None
+        self.best_val_loss = None
+        self.best_step = 0
+        self.writer = None
+        self.last_log = None
+
+    # signals
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._request_stop)
+
+    def _request_stop(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+
+    # events
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start_step = state.global_step
+        self.beat()
+        if self.master:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides what an earlier start logged after its last checkpoint: it is redone.
+            self.writer = SummaryWriter(log_dir=str(self.out / "tensorboard"), flush_secs=10,
+                                        purge_step=self.start_step + 1 if self.start_step else None)
+            self.write_progress(state)
+        self.last_log = (time.monotonic(), state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.beat()
+        # A collective each step, on every rank, so all stop after the same step.
+        agreed = self.dist.max(self.signum)
+        if agreed and not self.stopped_by:
+            self.stopped_by = agreed
+            if self.master:
+                log(f"{signal.Signals(agreed).name}: step {state.global_step} finished; "
+                    f"committing a checkpoint of it before exit")
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        # Every rank wrote its part (rng_state_<rank>.pth) before rank 0 moves the folder.
+        self.dist.barrier()
+        if self.master:
+            started = time.monotonic()
+            source = Path(args.output_dir) / f"{TRAINER_PREFIX}{state.global_step}"
+            final = commit_trainer_save(source, self.root, state.global_step, self.meta(state), self.beat)
+            checkpoint.prune(self.root, self.keep)
+            size = sum(p.stat().st_size for p in final.iterdir()) / 1e6
+            log(f"checkpoint {final.name} committed: {size:.1f} MB in {time.monotonic() - started:.2f}s")
+            self.write_progress(state)
+            if self.writer:
+                self.writer.flush()
+        self.beat()
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self.master or not logs:
+            return control
+        step = state.global_step
+        if "loss" in logs:
+            self.train_loss = float(logs["loss"])
+            now = time.monotonic()
+            elapsed, steps = now - self.last_log[0], max(step - self.last_log[1], 1)
+            self.last_log = (now, step)
+            ms_per_step = 1000 * elapsed / steps
+            self.speed = {"ms_per_step": ms_per_step,
+                          "eta_seconds": (state.max_steps - step) * ms_per_step / 1000}
+            lr = logs.get("learning_rate")
+            log(f"step {step}/{state.max_steps} | loss {self.train_loss:.4f}"
+                + (f" | lr {lr:.2e}" if isinstance(lr, (int, float)) else "")
+                + f" | {ms_per_step:.1f} ms/step")
+        if "eval_loss" in logs:
+            self._saw_val_loss(float(logs["eval_loss"]), step)
+            log(f"step {step}: val loss {self.val_loss:.4f} (best {self.best_val_loss:.4f} at step {self.best_step})")
+        if self.writer:
+            names = {"loss": "train/loss", "eval_loss": "val/loss", "learning_rate": "lr"}
+            for key, value in logs.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    self.writer.add_scalar(names.get(key, key), value, step)
+        self.write_progress(state)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.master:
+            self.write_progress(state)
+            if self.writer:
+                self.writer.close()
+                self.writer = None
+        self.dist.barrier()  # none leaves (and tears down the group) while rank 0 still commits
+        return control
+
+    # what a person sees
+
+    def _saw_val_loss(self, value: float, step: int) -> None:
+        self.val_loss = value
+        if self.best_val_loss is None or value < self.best_val_loss:
+            self.best_val_loss, self.best_step = value, step
+
+    def restore_report(self, meta: dict) -> None:
+        """The losses a resumed run reports until it measures its own (from the manifest's meta)."""
+        for key in ("train_loss", "val_loss", "best_val_loss"):
+            value = meta.get(key)
+            setattr(self, key, float(value) if isinstance(value, (int, float)) else None)
+        self.best_step = meta.get("best_step") if isinstance(meta.get("best_step"), int) else 0
+
+    def beat(self) -> None:
+        if self.health:
+            self.health.touch()
+
+    def meta(self, state) -> dict:
+        return {"step": state.global_step, "max_steps": state.max_steps, "keep": self.keep,
+                "train_loss": self.train_loss, "val_loss": self.val_loss,
+                "best_val_loss": self.best_val_loss, "best_step": self.best_step,
+                "world_size": self.dist.world_size, "trainer": "transformers", **self.extra_meta}
+
+    def write_progress(self, state) -> None:
+        progress = {"step": state.global_step, "start_step": self.start_step, "max_steps": state.max_steps,
+                    "train_loss": self.train_loss, "val_loss": self.val_loss,
+                    "best_val_loss": self.best_val_loss, "best_step": self.best_step,
+                    "updated_at": time.time()}
+        progress.update(getattr(self, "speed", {}))
+        self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / "progress.json"
+        temp = path.with_suffix(".json.tmp")
+        temp.write_text(json.dumps(progress))
+        os.replace(temp, path)
+
+
+# -- the one-call API -----------------------------------------------------------------------------
+
+class Resume:
+    """What attach() returns: the checkpoint to resume from and the exit code to leave with."""
+
+    def __init__(self, trainer, callback: CommitCallback):
+        self.trainer = trainer
+        self.callback = callback
+
+    def checkpoint(self) -> str | None:
+        """The newest committed checkpoint (rank 0 decides, every rank gets the same answer)."""
+        name = None
+        if self.callback.master:
+            folder = newest_committed(self.callback.out)
+            name = folder.name if folder else None
+            log(f"resuming from {name}" if name else "no committed checkpoint: starting from step 0")
+        name = self.callback.dist.broadcast(name)
+        if name is None:
+            return None
+        self.callback.restore_report((checkpoint.read_manifest(self.callback.root / name) or {}).get("meta", {}))
+        return str(self.callback.root / name)
+
+    def exit_code(self) -> int:
+        """0, or 128 + the signal training stopped for (143 SIGTERM, 130 SIGINT)."""
+        return 128 + self.callback.stopped_by if self.callback.stopped_by else 0
+
+
+def attach(trainer, keep: int | None = None, output_dir: str | None = None, meta: dict | None = None) -> Resume:
+    """Add the commit callback to a Trainer and take over SIGTERM/SIGINT. `keep` defaults to
+    save_total_limit (else 3); checkpoints go under OUTPUT_DIR/checkpoints (the Trainer's output_dir);
+    `meta` is recorded in each manifest."""
+    args = trainer.args
+    if getattr(args, "enable_jit_checkpoint", False):
+        from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+        trainer.remove_callback(JITCheckpointCallback)
+        log("enable_jit_checkpoint is replaced by hf_resume's SIGTERM save (at a step boundary, committed)")
+    if keep is None:
+        keep = args.save_total_limit or 3
+    callback = CommitCallback(output_dir or args.output_dir, keep=keep,
+                              health_file=os.environ.get("HEALTH_FILE"), meta=meta)
+    callback.install_signal_handlers()
+    trainer.add_callback(callback)
+    return Resume(trainer, callback)
+
+
+def main_exit(code: int) -> None:
+    """Leave without interpreter finalization, as train.py does (gloo threads can abort in it)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
