@@ -14,8 +14,16 @@ next pod (restartPolicy is the Job's business). What a pod gets:
   from --configmap NAME=DIR, else from the job/ folder next to job.yaml; volumeMounts with
   subPath and readOnly; a private /tmp (read-only too under readOnlyRootFilesystem, as in a
   real container) and a private 64Mi /dev/shm;
+- an image's user database: /etc/passwd and /etc/group as an Ubuntu-based image such as
+  pytorch/pytorch ships them (root, system users, nobody), with no entry for runAsUser, as on a
+  cluster; the host's own entry for that uid (if any) is not seen;
+- emptyDir sizeLimit on disk enforced as the kubelet's eviction manager does: usage polled every
+  few seconds, a pod over a limit is evicted (SIGTERM, SIGKILL after 1 s, whatever its grace
+  period) and reported as failed with reason Evicted and no DisruptionTarget condition;
 - securityContext: runAsUser/runAsGroup/fsGroup/supplementalGroups, runAsNonRoot,
-  allowPrivilegeEscalation, capabilities, privileged, readOnlyRootFilesystem;
+  allowPrivilegeEscalation, capabilities, privileged, readOnlyRootFilesystem (every mount of the
+  host under /, the "image", is read-only, not only / itself; the pod's volumes, /proc, /dev and
+  its /dev/shm, /dev/pts and the kubelet's /etc/hosts stay writable, as in a container);
 - only the environment a container gets: PATH (the runner's), HOSTNAME, env/envFrom, then --env;
 - exec probes (startup, liveness, readiness) on the kubelet's schedule, run inside the pod;
 - deletion: SIGTERM/SIGINT to the runner = SIGTERM to PID 1, SIGKILL after the grace period
@@ -28,8 +36,8 @@ stderr, prefixed "local_pod: ". Exit status: the container's (128+N when killed 
 Not supported (exit 64 where the manifest asks for it): volume types other than emptyDir and
 configMap, init containers, httpGet/tcpSocket/grpc probes, required Secrets (use --env). Sidecar
 containers are ignored (only the first container runs). No network namespace: the pod shares the
-host's network (podIP is 127.0.0.1). No cgroups: resources (cpu, memory, nvidia.com/gpu) and an
-on-disk emptyDir's sizeLimit are accepted and ignored.
+host's network (podIP is 127.0.0.1). No cgroups: resources (cpu, memory, ephemeral-storage,
+nvidia.com/gpu) are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -59,6 +67,40 @@ EXIT_BAD_INPUT = 64
 EXIT_START_ERROR = 128  # what the kubelet reports when a container cannot start
 POD_NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # the Job controller's: no vowels, no look-alikes
 SHM_SIZE = "64m"  # the container runtime's default /dev/shm
+# The kubelet's eviction manager checks every 10 s on volume stats up to a minute old
+# (evictionMonitoringPeriod, volumeStatsAggPeriod); polling more often only makes tests quicker.
+STORAGE_POLL_SECONDS = 2
+EVICTION_GRACE_SECONDS = 1  # the kubelet's immediateEvictionGracePeriodSeconds for local storage
+# /etc/passwd and /etc/group of an Ubuntu 22.04 image (pytorch/pytorch's base): no user 1000.
+IMAGE_PASSWD = """\
+root:x:0:0:root:/root:/bin/bash
+daemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin
+bin:x:2:2:bin:/bin:/usr/sbin/nologin
+sys:x:3:3:sys:/dev:/usr/sbin/nologin
+sync:x:4:65534:sync:/bin:/bin/sync
+games:x:5:60:games:/usr/games:/usr/sbin/nologin
+man:x:6:12:man:/var/cache/man:/usr/sbin/nologin
+lp:x:7:7:lp:/var/spool/lpd:/usr/sbin/nologin
+mail:x:8:8:mail:/var/mail:/usr/sbin/nologin
+news:x:9:9:news:/var/spool/news:/usr/sbin/nologin
+uucp:x:10:10:uucp:/var/spool/uucp:/usr/sbin/nologin
+proxy:x:13:13:proxy:/bin:/usr/sbin/nologin
+www-data:x:33:33:www-data:/var/www:/usr/sbin/nologin
+backup:x:34:34:backup:/var/backups:/usr/sbin/nologin
+list:x:38:38:Mailing List Manager:/var/list:/usr/sbin/nologin
+irc:x:39:39:ircd:/run/ircd:/usr/sbin/nologin
+gnats:x:41:41:Gnats Bug-Reporting System (admin):/var/lib/gnats:/usr/sbin/nologin
+nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin
+_apt:x:100:65534::/nonexistent:/usr/sbin/nologin
+"""
+IMAGE_GROUP = "".join(f"{name}:x:{gid}:\n" for name, gid in (
+    ("root", 0), ("daemon", 1), ("bin", 2), ("sys", 3), ("adm", 4), ("tty", 5), ("disk", 6), ("lp", 7),
+    ("mail", 8), ("news", 9), ("uucp", 10), ("man", 12), ("proxy", 13), ("kmem", 15), ("dialout", 20),
+    ("cdrom", 24), ("sudo", 27), ("audio", 29), ("www-data", 33), ("backup", 34), ("operator", 37),
+    ("list", 38), ("irc", 39), ("src", 40), ("gnats", 41), ("shadow", 42), ("utmp", 43), ("video", 44),
+    ("plugdev", 46), ("staff", 50), ("games", 60), ("users", 100), ("nogroup", 65534)))
+# Kernel filesystems a container runtime mounts writable whatever readOnlyRootFilesystem says.
+RUNTIME_WRITABLE = ("/proc", "/dev")
 # The container runtime's default capabilities; a pod does not get all of root's.
 DEFAULT_CAPS = ("CHOWN DAC_OVERRIDE FOWNER FSETID KILL SETGID SETUID SETPCAP NET_BIND_SERVICE "
                 "NET_RAW SYS_CHROOT MKNOD AUDIT_WRITE SETFCAP").split()
@@ -87,6 +129,7 @@ class Volume:
     name: str
     kind: str  # emptyDir | configMap
     tmpfs_size: int | None = None  # set (0 = unlimited) for emptyDir medium: Memory
+    size_limit: str | None = None  # on disk: the sizeLimit as written, enforced by eviction
     files: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # configMap: path -> (data, mode)
 
 
@@ -229,9 +272,10 @@ def parse_volume(spec: dict, configmaps: ConfigMaps) -> Volume:
     name = spec["name"]
     if "emptyDir" in spec:
         empty_dir = spec["emptyDir"] or {}
-        size = quantity_bytes(empty_dir.get("sizeLimit"))  # on disk: not enforced, no eviction here
-        memory = empty_dir.get("medium") == "Memory"
-        return Volume(name, "emptyDir", tmpfs_size=(size or 0) if memory else None)
+        size = quantity_bytes(empty_dir.get("sizeLimit"))
+        if empty_dir.get("medium") == "Memory":
+            return Volume(name, "emptyDir", tmpfs_size=size or 0)
+        return Volume(name, "emptyDir", size_limit=str(empty_dir["sizeLimit"]) if size else None)
     if "configMap" in spec:
         source = spec["configMap"]
         optional = bool(source.get("optional"))
@@ -452,6 +496,9 @@ def write_volumes(pod: Pod, pod_dir: Path) -> None:
     private_tmp = pod_dir / "tmp"
     private_tmp.mkdir()
     private_tmp.chmod(0o1777)
+    for name, text in (("passwd", IMAGE_PASSWD), ("group", IMAGE_GROUP)):
+        (pod_dir / name).write_text(text)
+        (pod_dir / name).chmod(0o644)
     # The kubelet's /etc/hosts names the pod, so its own hostname resolves (torchrun needs it).
     (pod_dir / "hosts").write_text(
         "# Kubernetes-managed hosts file.\n127.0.0.1\tlocalhost\n"
@@ -492,8 +539,9 @@ def planned_mounts(pod: Pod) -> list[tuple[str, str, str]]:
     plan = [(volume_source(pod, m), m.path, "") for m in pod.mounts]
     if "/tmp" not in targets:  # a container has its own rootfs, so its own /tmp
         plan.append(("tmp", "/tmp", ""))
-    if "/etc/hosts" not in targets:
-        plan.append(("hosts", "/etc/hosts", ""))
+    for name in ("hosts", "passwd", "group"):
+        if f"/etc/{name}" not in targets:
+            plan.append((name, f"/etc/{name}", ""))
     if "/dev/shm" not in targets and os.path.isdir("/dev/shm"):
         plan.append(("shm", "/dev/shm", f"mode=1777,size={SHM_SIZE}"))
     return sorted(plan, key=lambda step: len(Path(step[1]).parts))
@@ -522,6 +570,36 @@ def remount_read_only(target: str) -> None:
     # A bind remount changes only this mount point, never the filesystem: the host stays writable.
     kept = os.statvfs(target).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME)
     mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | kept)
+
+
+def mount_points() -> list[str]:
+    """Every mount point this mount namespace sees, in mount order."""
+    points = []
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            # Field 5 is the mount point, with space, tab, newline and backslash as octal escapes.
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+            if point not in points:
+                points.append(point)
+    return points
+
+
+def make_root_read_only(pod: Pod) -> None:
+    """readOnlyRootFilesystem: the host's mounts under / are all the image's root filesystem here, so
+    every one becomes read-only, not only / itself. What a container keeps writable stays so: its
+    volumes, the kernel filesystems (/proc, /dev with /dev/shm and /dev/pts) and /etc/hosts."""
+    writable = {m.path for m in pod.mounts if not m.read_only} | {"/etc/hosts"}
+
+    def under(path, top):
+        return path == top or path.startswith(top.rstrip("/") + "/")
+
+    for point in mount_points():
+        if point in writable or any(under(point, top) for top in RUNTIME_WRITABLE):
+            continue
+        try:
+            remount_read_only(point)
+        except FileNotFoundError:  # covered by a later mount of a parent: nothing there to write
+            continue
 
 
 def make_mount_point(source: str, target: str) -> None:
@@ -568,16 +646,38 @@ def setup_container(pod: Pod, pod_dir: Path) -> None:
             os.close(fd)
         os.makedirs(pod.working_dir, exist_ok=True)
         # Read-only last, so mount points inside read-only mounts could still be created.
-        if pod.security.read_only_root:
-            read_only |= {"/", "/tmp"} - {m.path for m in pod.mounts}
         for target in sorted(read_only, key=len, reverse=True):
             remount_read_only(target)
+        if pod.security.read_only_root:
+            make_root_read_only(pod)
         os.chdir(pod.working_dir)
         if not shutil.which(pod.command[0], path=pod.env.get("PATH")):
             raise OSError(f"executable file not found in $PATH: {pod.command[0]}")
     except BaseException as error:  # report, then end like a container that failed to start
         os.write(2, f"local_pod: container start failed: {error}\n".encode())
         os._exit(EXIT_START_ERROR)
+
+
+def disk_usage(folder: Path) -> int:
+    """Bytes of disk a folder takes, as `du -sx` (the kubelet's measure of an emptyDir) counts them:
+    allocated blocks, each hard-linked file once, no symlinks followed."""
+    seen, total, pending = set(), 0, [str(folder)]
+    while pending:
+        try:
+            entries = list(os.scandir(pending.pop()))
+        except OSError:  # removed meanwhile, or not readable: as du, count what can be read
+            continue
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if (info.st_dev, info.st_ino) not in seen:
+                seen.add((info.st_dev, info.st_ino))
+                total += info.st_blocks * 512
+            if entry.is_dir(follow_symlinks=False):
+                pending.append(entry.path)
+    return total
 
 
 def setpriv_args(security: Security) -> list[str]:
@@ -610,6 +710,7 @@ class PodRunner:
         self.spawned = threading.Event()  # Popen returned: the container runs, or could not start
         self.exit_code = EXIT_START_ERROR
         self.started = threading.Event()  # the startup probe has succeeded (or there is none)
+        self.eviction: str | None = None  # why the kubelet's eviction manager evicted the pod
 
     def run(self) -> int:
         for number in (signal.SIGTERM, signal.SIGINT):
@@ -623,6 +724,9 @@ class PodRunner:
             self.on_container_started()
         while container.is_alive():
             container.join(0.2)
+        if self.eviction:
+            log(f"pod {self.pod.name} failed: reason Evicted, no DisruptionTarget condition "
+                f"(counts against the Job's backoffLimit): {self.eviction}")
         log(f"exit code {self.exit_code}")
         return self.exit_code
 
@@ -668,6 +772,8 @@ class PodRunner:
             self.started.set()
         for probe in self.pod.probes:
             threading.Thread(target=self.probe_loop, args=(probe, time.monotonic()), daemon=True).start()
+        if any(v.size_limit for v in self.pod.volumes.values()):
+            threading.Thread(target=self.storage_loop, daemon=True).start()
         deadline = self.pod.active_deadline
         if deadline is not None:
             reason = f"activeDeadlineSeconds ({deadline}s) exceeded"
@@ -709,6 +815,27 @@ class PodRunner:
                 self.proc.send_signal(number)
             except ProcessLookupError:
                 pass
+
+    # ------------------------------------------------------------ local storage eviction
+
+    def storage_loop(self) -> None:
+        """The kubelet's localStorageEviction for emptyDirs on disk: writes past sizeLimit succeed
+        (the node's disk has room); the next check evicts the pod."""
+        limited = [(v, quantity_bytes(v.size_limit)) for v in self.pod.volumes.values() if v.size_limit]
+        while not self.stopped.wait(STORAGE_POLL_SECONDS):
+            for volume, limit in limited:
+                if disk_usage(self.pod_dir / "volumes" / volume.name) > limit:
+                    self.evict(f'Usage of EmptyDir volume "{volume.name}" exceeds the limit "{volume.size_limit}"')
+                    return
+
+    def evict(self, message: str) -> None:
+        # The eviction manager's grace is its own, not terminationGracePeriodSeconds: no time for a
+        # final upload. It sets no DisruptionTarget condition, so podFailurePolicy does not ignore it.
+        with self.lock:
+            if self.terminating:
+                return
+            self.eviction = message
+        self.terminate(f"pod {self.pod.name} evicted: {message}", EVICTION_GRACE_SECONDS)
 
     # ------------------------------------------------------------ probes
 

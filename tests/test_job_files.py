@@ -69,6 +69,32 @@ def test_pod_has_gpus_volumes_and_a_grace_period_for_the_final_upload():
     assert CONTAINER["envFrom"] == [{"secretRef": {"name": "aws-credentials", "optional": True}}]
 
 
+def test_env_suits_an_image_without_a_passwd_entry_for_the_pods_user():
+    # torch < 2.13 (pytorch/pytorch images) crashes in getpass.getuser() without a passwd entry
+    # unless USER/LOGNAME or TORCHINDUCTOR_CACHE_DIR are set; caches go to the workspace, not /tmp.
+    env = {e["name"]: e.get("value") for e in CONTAINER["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in CONTAINER["volumeMounts"]}
+    assert env["USER"] and env["LOGNAME"] == env["USER"]
+    for name in ("HOME", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        owner = max((path for path in mounts if env[name] == path or env[name].startswith(path + "/")), key=len)
+        assert mounts[owner] == "home", f"{name}={env[name]} is not on the workspace volume"
+
+
+def test_ephemeral_storage_request_covers_the_disk_empty_dirs():
+    resources = CONTAINER["resources"]
+    size_limits = [quantity(v["emptyDir"]["sizeLimit"]) for v in POD["volumes"]
+                   if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"]
+    assert quantity(resources["requests"]["ephemeral-storage"]) > sum(size_limits)
+    # No limit: the sizeLimits cap each volume, and a limit would be one more no-grace eviction.
+    assert "ephemeral-storage" not in resources["limits"]
+
+
+def quantity(text: str) -> int:
+    import local_pod
+
+    return local_pod.quantity_bytes(text)
+
+
 def test_pod_is_hardened():
     pod_security, security = POD["securityContext"], CONTAINER["securityContext"]
     assert isinstance(pod_security["runAsUser"], int) and pod_security["runAsUser"] > 0

@@ -114,6 +114,32 @@ def test_keep_volumes_keeps_the_pods_volumes_for_debugging(tmp_path):
     assert marker.read_text() == "kept\n"
 
 
+def test_disk_empty_dir_over_its_size_limit_gets_the_pod_evicted(tmp_path):
+    # The kubelet's way: writes past sizeLimit succeed (the node's disk has room), then its
+    # eviction manager sees the usage and kills the pod with a 1 s grace period.
+    volumes, mounts = scratch(sizeLimit="1Mi")
+    script = "dd if=/dev/zero of=/tmp/scratch/big bs=1M count=3 2>/dev/null && echo wrote; sleep 60"
+    job = write_job(tmp_path, script, pod={"volumes": volumes, "terminationGracePeriodSeconds": 300},
+                    volumeMounts=mounts)
+    result = run_pod(job)
+    assert result.stdout == "wrote\n"
+    assert result.returncode == 137  # sh as PID 1 ignores SIGTERM: SIGKILL after the 1 s grace
+    name = pod_name(result.stderr)
+    assert (f'pod {name} evicted: Usage of EmptyDir volume "scratch" exceeds the limit "1Mi"'
+            in result.stderr), result.stderr
+    assert "SIGKILL after 1s" in result.stderr  # not the pod's 300 s
+    assert f"pod {name} failed: reason Evicted, no DisruptionTarget condition" in result.stderr
+
+
+def test_disk_empty_dir_within_its_size_limit_is_left_alone(tmp_path):
+    volumes, mounts = scratch(sizeLimit="8Mi")
+    script = "dd if=/dev/zero of=/tmp/scratch/big bs=1M count=2 2>/dev/null && sleep 3 && echo done"
+    job = write_job(tmp_path, script, pod={"volumes": volumes}, volumeMounts=mounts)
+    result = run_pod(job)
+    assert result.returncode == 0 and result.stdout == "done\n", result.stderr
+    assert "evicted" not in result.stderr
+
+
 def test_memory_empty_dir_is_a_tmpfs_honouring_size_limit(tmp_path):
     volumes, mounts = scratch("/dev/shm", medium="Memory", sizeLimit="1Mi")
     script = "stat -f -c %T /dev/shm; dd if=/dev/zero of=/dev/shm/big bs=1M count=2 2>/dev/null || echo full"
@@ -225,6 +251,39 @@ def test_read_only_root_filesystem_leaves_volumes_and_the_host_writable(tmp_path
     assert not os.statvfs("/").f_flag & os.ST_RDONLY
     with tempfile.NamedTemporaryFile(dir="/opt"):  # the host's root is still writable
         pass
+
+
+def test_read_only_root_filesystem_covers_every_mount_of_the_image(tmp_path):
+    # Another filesystem mounted under / of the "image" (a separate /usr, /opt, /work on a real
+    # host) is part of the root filesystem too. The runner runs in a private mount namespace of
+    # its own here, so the extra mount never shows on the host.
+    other = Path(tempfile.mkdtemp(dir="/opt", prefix="local-pod-other-fs-"))
+    try:
+        other.chmod(0o755)
+        volumes, mounts = scratch()
+        script = (f"touch {other}/x 2>&1 | grep -o 'Read-only file system' || echo other-fs-writable; "
+                  "touch /tmp/scratch/x && echo volume-writable; "
+                  "touch /dev/shm/x && echo shm-writable")
+        job = write_job(tmp_path, script, pod={"volumes": volumes}, volumeMounts=mounts,
+                        securityContext={"readOnlyRootFilesystem": True, "runAsUser": 1000})
+        setup = f'mount -t tmpfs -o mode=1777 tmpfs "{other}" && exec "$0" "$@"'
+        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", setup,
+                   sys.executable, str(RUNNER), str(job)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == "Read-only file system\nvolume-writable\nshm-writable\n", result.stderr
+    finally:
+        other.rmdir()
+
+
+def test_pod_sees_an_images_user_database_without_its_uid(tmp_path):
+    # A pytorch/pytorch image has no passwd entry for runAsUser 1000; this host has one (cloudsdk).
+    script = ("id -u; getent passwd root | cut -d: -f1; getent passwd 1000 || echo no-passwd-entry; "
+              "getent group 1000 || echo no-group-entry")
+    job = write_job(tmp_path, script, securityContext={"runAsUser": 1000, "runAsGroup": 1000})
+    result = run_pod(job)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "1000\nroot\nno-passwd-entry\nno-group-entry\n"
 
 
 # ---------------------------------------------------------------- probes
