@@ -30,6 +30,7 @@ class Case:
     message: str
     env: dict = field(default_factory=dict)
     prepare: Callable | None = None  # (lab, tmp_path) -> extra env, may stage things in S3
+    never_shown: tuple = ()  # values that must appear nowhere in the pod's output (secrets)
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +169,29 @@ CASES = [
     Case("SYNC_INTERVAL_SECONDS not a number", 64, "SYNC_INTERVAL_SECONDS=soon must be a positive integer",
          {"SYNC_INTERVAL_SECONDS": "soon"}),
     Case("endpoint without a scheme", 64, "has no http:// or https:// scheme; add it", {"AWS_ENDPOINT_URL": "127.0.0.1:9"}),
+    # Every other setting the pod reads: refused before any sync, with the value and the fix.
+    Case("LEASE_TTL_SECONDS of 0", 64, "LEASE_TTL_SECONDS=0 must be a whole number of seconds, at least 3",
+         {"LEASE_TTL_SECONDS": "0"}),
+    Case("LEASE_WAIT_SECONDS negative", 64, "LEASE_WAIT_SECONDS=-1 must be a whole number of seconds, at least 0",
+         {"LEASE_WAIT_SECONDS": "-1"}),
+    Case("UPLOAD_RETRY_SECONDS of 0", 64, "UPLOAD_RETRY_SECONDS=0 must be a positive integer", {"UPLOAD_RETRY_SECONDS": "0"}),
+    Case("HEALTH_MAX_AGE_SECONDS below the heartbeat", 64,
+         "HEALTH_MAX_AGE_SECONDS=5 must be a whole number of seconds, at least 10", {"HEALTH_MAX_AGE_SECONDS": "5"}),
+    Case("S3_RETRY_SECONDS not a number", 64, "S3_RETRY_SECONDS=10m must be a positive integer", {"S3_RETRY_SECONDS": "10m"}),
+    Case("AWS_MAX_ATTEMPTS of 0", 64, "AWS_MAX_ATTEMPTS=0 must be a positive integer", {"AWS_MAX_ATTEMPTS": "0"}),
+    Case("AWS_RETRY_MODE unknown", 64, "AWS_RETRY_MODE=fast must be standard, adaptive or legacy", {"AWS_RETRY_MODE": "fast"}),
+    Case("S3_LEASE neither on nor off", 64, "S3_LEASE=no must be on or off", {"S3_LEASE": "no"}),
+    Case("READY_FILE relative", 64, "READY_FILE=ready must be an absolute path", {"READY_FILE": "ready"}),
+    Case("HEALTH_FILE in no writable folder", 64, "HEALTH_FILE=/no/such/healthy is in no writable folder",
+         {"HEALTH_FILE": "/no/such/healthy"}),
+    Case("WORK_DIR relative", 64, "WORK_DIR=code must be an absolute path", {"WORK_DIR": "code"}),
+    Case("CHECKPOINT_HMAC_KEY too short", 64, "CHECKPOINT_HMAC_KEY is set but shorter than 16 bytes",
+         {"CHECKPOINT_HMAC_KEY": "short-s3cret"}, never_shown=("short-s3cret",)),
+    Case("TRAIN_ARGS with an unbalanced quote", 64, "TRAIN_ARGS has an unbalanced quote",
+         {"TRAIN_ARGS": "--set 'train.max_steps=10"}),
+    # Split as a shell would: the second line reaches the trainer, the quoted value stays whole.
+    Case("TRAIN_ARGS over two lines, quoted", 64, "train.max_steps must be an integer, got 'two words'",
+         {"TRAIN_ARGS": "--set train.seed=1\n--set 'train.max_steps=two words'"}),
     Case("requirements that fail to install", 64, "the code's requirements cannot be installed", prepare=bad_requirements),
     Case("no credentials", 64, "no AWS credentials; create the Secret aws-credentials",
          {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_EC2_METADATA_DISABLED": "true"}),
@@ -207,6 +231,8 @@ def test_bad_input_gets_one_line_the_right_exit_code_and_s3_keeps_what_it_had(la
     code, pod, before, after = run_case(lab, run, case, tmp_path)
     assert code == case.code, pod.output[-3000:]
     assert case.message in pod.output, pod.output[-3000:]
+    for secret in case.never_shown:
+        assert secret not in pod.output
     errors = [line for line in pod.lines if re.search(r"\berror: ", line)]
     if case.code == 64:
         assert len(errors) == 1, errors

@@ -206,16 +206,44 @@ def test_restore_fetches_files_side_by_side_and_stops_at_the_first_problem_in_na
     assert sorted(started) == list("abcdefgh")
 
 
+def with_index_url(run: Run, prefix: str, index_line: str, extra: str = "") -> str:
+    """A copy of the run's code whose requirements.txt names a package index with credentials."""
+    for obj in run.s3.list_objects_v2(Bucket=BUCKET, Prefix="code/")["Contents"]:
+        run.s3.copy_object(Bucket=BUCKET, Key=prefix + obj["Key"][len("code/"):],
+                           CopySource={"Bucket": BUCKET, "Key": obj["Key"]})
+    requirements = run.s3.get_object(Bucket=BUCKET, Key="code/requirements.txt")["Body"].read().decode()
+    run.s3.put_object(Bucket=BUCKET, Key=prefix + "requirements.txt",
+                      Body=f"{index_line}\n{requirements}{extra}".encode())
+    return f"s3://{BUCKET}/{prefix}"
+
+
 def test_secrets_appear_nowhere_in_output_logs_or_uploads(run, monkeypatch):
     access_key = "AKIA" + "".join(secrets.choice(string.ascii_uppercase + string.digits) for _ in range(16))
     secret_key = secrets.token_urlsafe(30)
     hf_token = "hf_" + secrets.token_hex(17)
+    index_token = "pypi-" + secrets.token_urlsafe(24)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", access_key)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret_key)
-    code, pod = run.run(HF_TOKEN=hf_token)
+    # A private index with a token in its URL: the pod names the option as unmet and runs pip
+    # (PIP_NO_INDEX: no network; the image has every package, so pip succeeds and the run goes on).
+    code_uri = with_index_url(run, "code-index/", f"--extra-index-url https://user:{index_token}@pypi.invalid/simple")
+    code, pod = run.run(HF_TOKEN=hf_token, S3_CODE_URI=code_uri, PIP_NO_INDEX="1")
     assert code == 0, pod.output
     uploaded = b"".join(run.read(key) for key in run.keys())
-    for value in (access_key, secret_key, hf_token):
+    for value in (access_key, secret_key, hf_token, index_token):
         assert value not in pod.output, "printed"
         assert value.encode() not in uploaded, "uploaded"
     assert len(run.keys()) >= 10, "the scan covered the run's logs, events, status and checkpoints"
+    assert "https://***@pypi.invalid/simple" in pod.output, "the line that named the index was there"
+    assert any(b"https://***@pypi.invalid/simple" in run.read(key) for key in run.keys() if key.startswith("logs/"))
+
+    # An index that cannot be reached: pip fails at once (no retries). Without retries pip reports
+    # no connection error, only the missing package: 64 then, 75 when it says it could not connect.
+    code_uri = with_index_url(run, "code-noindex/", f"--index-url http://user:{index_token}@127.0.0.1:9/simple",
+                              extra="no-such-package-anywhere==9.9\n")
+    failed = Run(run.s3, run.endpoint, run.folder / "unreachable-index", name="unreachable-index")
+    code, pod = failed.run(S3_CODE_URI=code_uri, PIP_RETRIES="0", PIP_TIMEOUT="2")
+    assert code in (64, 75), pod.output
+    assert "http://***@127.0.0.1:9" in pod.output, pod.output
+    assert index_token not in pod.output
+    assert all(index_token.encode() not in failed.read(key) for key in failed.keys())
