@@ -7,16 +7,26 @@ over an expired one); S3 lets exactly one of two racing writers win. Expiry is j
 (the object's LastModified against the response's Date), so pods' clock skew does not matter.
 
 The holder renews every ttl/3 from a thread. A holder that cannot prove its lease is fresh writes
-nothing; one whose renewal is refused (412) has lost it and stops.
+nothing; one whose renewal is refused (412) has lost it and stops. "Fresh" means its last renewal
+was sent at most ttl/2 ago, so another pod can take it over no sooner than ttl/2 after any check.
+
+Some S3-compatible stores ignore If-None-Match / If-Match on PUT: there both racing pods would
+win. So every acquire proves the store refuses what it must (two conditional PUTs of the lease it
+just took, which must fail with 412) and stops with exit 64 otherwise. S3_LEASE=off runs without a
+lease at all (the state file says so; the uploader then checks nothing): one pod per prefix is then
+the operator's business.
 
     python lease.py acquire S3_OUTPUT_URI STATE_FILE   # waits while another live pod holds it
-    exit 0: held (token in STATE_FILE), 3: the run is already COMPLETE, 64/75: errors
+    exit 0: held (token in STATE_FILE; or S3_LEASE=off), 3: the run is already COMPLETE, 64/75: errors
+
+Environment: LEASE_TTL_SECONDS (120, at least 3), LEASE_WAIT_SECONDS (3000), S3_LEASE (on|off).
 """
 
 from __future__ import annotations
 
 import email.utils
 import json
+import math
 import os
 import random
 import sys
@@ -33,6 +43,11 @@ from s3 import Location, log
 
 KEY = "lease.json"
 EXIT_COMPLETE = 3
+# Renewal runs every ttl/3: under 3 s it would ask S3 more than once a second, and one slow answer
+# would cost the lease.
+MIN_TTL_SECONDS = 3.0
+# No ETag S3 makes looks like this (theirs are quoted hex digests): If-Match with it must fail.
+NO_SUCH_ETAG = '"lease-probe-matches-nothing"'
 
 
 def _once(fn, *args):
@@ -44,11 +59,50 @@ class LeaseLost(s3lib.Stop):
     """Another pod holds the lease now: this one must not write."""
 
 
-def ttl_seconds() -> float:
-    return float(os.environ.get("LEASE_TTL_SECONDS", "120"))
+def _seconds(environ, name: str, default: str, minimum: float, rule: str) -> float:
+    """A setting in seconds, or BadInput with one line that names it and the fix."""
+    raw = (os.environ if environ is None else environ).get(name, "") or default  # empty: as unset
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < minimum or value <= 0:
+        raise s3lib.BadInput(f"{name}={raw} must be {rule}; fix it in job.yaml (default {default})")
+    return value
+
+
+def ttl_seconds(environ=None) -> float:
+    return _seconds(environ, "LEASE_TTL_SECONDS", "120", MIN_TTL_SECONDS,
+                    f"a number of seconds, at least {MIN_TTL_SECONDS:.0f} (the lease is renewed every third of it)")
+
+
+def wait_seconds(environ=None) -> float:
+    return _seconds(environ, "LEASE_WAIT_SECONDS", "3000", 0.0, "a positive number of seconds")
+
+
+def lease_wanted(environ=None) -> bool:
+    """S3_LEASE: on (the default) or off; anything else is a typo that must not pass as either."""
+    raw = (os.environ if environ is None else environ).get("S3_LEASE", "") or "on"
+    if raw not in ("on", "off"):
+        raise s3lib.BadInput(f"S3_LEASE={raw} must be on or off (off: no lease, one pod per "
+                             "S3_OUTPUT_URI is up to you); fix it in job.yaml")
+    return raw == "on"
+
+
+def store_verdict(run: Location, if_none_match_landed: bool, if_match_landed: bool) -> str | None:
+    """None when the store refused both probes; else one line: what it lacks and the ways out."""
+    ignored = [name for name, landed in (("If-None-Match", if_none_match_landed), ("If-Match", if_match_landed))
+               if landed]
+    if not ignored:
+        return None
+    return (f"the S3 store ignores {' and '.join(ignored)} on PUT (a write it had to refuse with 412 "
+            f"landed), so the lease cannot keep a second pod off {run}; use a store with conditional "
+            "writes (AWS S3 has them), or set S3_LEASE=off and run one pod per S3_OUTPUT_URI yourself")
 
 
 class Lease:
+    held = True
+
     def __init__(self, s3, run: Location, holder: str, ttl: float, etag: str | None = None,
                  path: Path | None = None):
         self.s3, self.run, self.holder, self.ttl = s3, run, holder, ttl
@@ -67,7 +121,18 @@ class Lease:
         if retry(self._complete):
             self.release(retry)
             return False
+        self._prove_conditional_writes(retry)
         return True
+
+    def _prove_conditional_writes(self, retry) -> None:
+        """Two writes of the lease just taken that S3 must refuse: it exists (If-None-Match: *) and
+        has another ETag (If-Match). Refused, they change nothing; landed, they only rewrite this
+        pod's own lease, which it then lets go."""
+        verdict = store_verdict(self.run, retry(self._put, if_none_match=True),
+                                retry(self._put, if_match=NO_SUCH_ETAG))
+        if verdict:
+            self.release(retry)
+            raise s3lib.BadInput(verdict)
 
     def _take(self, retry, wait_seconds: float) -> None:
         deadline = time.monotonic() + wait_seconds
@@ -119,14 +184,20 @@ class Lease:
         body = json.dumps({"holder": self.holder, "ttl_seconds": self.ttl, "pod": os.environ.get("HOSTNAME", ""),
                            "renewed_at": time.time()}).encode()
         condition = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": if_match}
+        sent = time.monotonic()  # it cannot have landed before: its age on S3's clock is at most ours
         try:
             answer = self.s3.put_object(Bucket=self.run.bucket, Key=self.run.key(KEY), Body=body,
                                         ContentType="application/json", **condition)
         except botocore.exceptions.ClientError as err:
             if s3lib.http_status(err) in (409, 412):
                 return False
+            if s3lib.http_status(err) == 501:
+                raise s3lib.BadInput(
+                    f"the S3 store refuses conditional writes ({s3lib.error_code(err)}, 501), which the lease "
+                    f"on {self.run} needs; use a store that has them (AWS S3 does), or set S3_LEASE=off and "
+                    "run one pod per S3_OUTPUT_URI yourself") from None
             raise
-        self._hold(answer["ETag"])
+        self._hold(answer["ETag"], time.monotonic() - sent)
         return True
 
     def _hold(self, etag: str, age: float = 0.0) -> None:
@@ -142,20 +213,33 @@ class Lease:
         """Prove the lease is still ours and push its expiry. LeaseLost if another pod has it;
         S3's own error when S3 cannot say (then this pod must not write; an s3.retrying sorts it)."""
         with self._lock:
-            if self._put(if_match=self.etag):
-                return
-            current = self._read()
-            if current and current[0] == self.holder:  # a retried renewal whose first try landed
-                self._hold(current[1], current[2])
-                return
-            raise LeaseLost(f"another pod ({current[0] if current else 'none'}) holds the lease on "
-                            f"{self.run} now; this pod stops writing there")
+            self._renew_locked()
+
+    def _renew_if_stale(self) -> None:
+        with self._lock:  # the transfer's threads all find it stale at once: one renewal will do
+            if self.stale():
+                self._renew_locked()
+
+    def _renew_locked(self) -> None:
+        if self._put(if_match=self.etag):
+            return
+        current = self._read()
+        if current and current[0] == self.holder:  # a retried renewal whose first try landed
+            self._hold(current[1], current[2])
+            return
+        raise LeaseLost(f"another pod ({current[0] if current else 'none'}) holds the lease on "
+                        f"{self.run} now; this pod stops writing there")
+
+    def stale(self, now: float | None = None) -> bool:
+        """More than ttl/2 since the last renewal was sent: another pod may take it over within
+        ttl/2 from now."""
+        return (time.monotonic() if now is None else now) - self.renewed > self.ttl / 2
 
     def ensure_fresh(self, retry=None) -> None:
         """Before a write: the lease was renewed within ttl/2, or is renewed now (through `retry`,
         an s3.retrying, when given)."""
-        if time.monotonic() - self.renewed > self.ttl / 2:
-            (retry or _once)(self.renew)
+        if self.stale():
+            (retry or _once)(self._renew_if_stale)
 
     def release(self, retry=None) -> None:
         """Let the next pod start at once instead of waiting for the expiry (through `retry`,
@@ -179,13 +263,38 @@ class Lease:
     def save(self, path: Path) -> None:
         """Atomically: the keeper thread saves while the process may be exiting."""
         partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps({"holder": self.holder, "etag": self.etag}))
+        partial.write_text(json.dumps({"held": True, "holder": self.holder, "etag": self.etag}))
         os.replace(partial, path)
 
     @classmethod
-    def load(cls, s3, run: Location, path: Path) -> "Lease":
+    def load(cls, s3, run: Location, path: Path) -> "Lease | NoLease":
         state = json.loads(path.read_text())
+        if state.get("held") is False:
+            return NoLease(path)
         return cls(s3, run, state["holder"], ttl_seconds(), etag=state["etag"], path=path)
+
+
+class NoLease:
+    """S3_LEASE=off: nothing to take, renew, prove or release; every write may go."""
+
+    held = False
+
+    def __init__(self, path: Path | None = None):
+        self.path = path
+
+    @staticmethod
+    def record(path: Path) -> None:
+        """The state file says so, for the pod's later helpers (and its finish still runs)."""
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps({"held": False}))
+        os.replace(partial, path)
+
+    def ensure_fresh(self, retry=None) -> None:
+        pass
+
+    def release(self, retry=None) -> None:
+        if self.path:
+            self.path.unlink(missing_ok=True)
 
 
 class Keeper(threading.Thread):
@@ -198,6 +307,8 @@ class Keeper(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
+        if not self.lease.held:
+            return
         every = delay = self.lease.ttl / 3
         while not self._stop_event.wait(delay):
             try:
@@ -236,10 +347,17 @@ def main(argv: list[str]) -> int:
 
     def run() -> int:
         where = Location.parse(argv[1])
+        if not lease_wanted():
+            NoLease.record(Path(argv[2]))
+            log("lease", f"warning: S3_LEASE=off: no lease on {where}; a second pod there would overwrite "
+                         "this one's checkpoints: run one pod per S3_OUTPUT_URI yourself "
+                         "(the Job's podReplacementPolicy: Failed helps)")
+            return 0
+        ttl, wait = ttl_seconds(), wait_seconds()
         holder = f"{os.environ.get('HOSTNAME', 'pod')}/{uuid.uuid4().hex[:8]}"
-        lease = Lease(s3lib.client(), where, holder, ttl_seconds(), path=Path(argv[2]))
+        lease = Lease(s3lib.client(), where, holder, ttl, path=Path(argv[2]))
         started = time.monotonic()
-        if not lease.acquire(float(os.environ.get("LEASE_WAIT_SECONDS", "3000"))):
+        if not lease.acquire(wait):
             log("lease", f"{where} became COMPLETE while waiting: nothing to do")
             return EXIT_COMPLETE
         log("lease", f"holding the lease on {where} as {holder} "

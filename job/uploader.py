@@ -96,8 +96,16 @@ class Uploader:
     # -- the lease ------------------------------------------------------------------------------
 
     def hold_lease(self) -> None:
-        self.keeper = Keeper(Lease.load(self.s3, self.run, self.state_dir / "lease.json"))
+        # The lease renews through a client of its own: this one's writes wait on the lease, its
+        # renewals must not.
+        self.keeper = Keeper(Lease.load(s3lib.client(), self.run, self.state_dir / "lease.json"))
         self.keeper.start()
+        # Every request that can change what S3 shows goes out only while the lease is fresh, each
+        # of botocore's own retries and each part of a multipart upload included: a check at the
+        # start of a write alone would let a long upload run on past another pod's takeover.
+        for operation in ("PutObject", "UploadPart", "CompleteMultipartUpload", "CopyObject", "UploadPartCopy",
+                          "DeleteObject", "DeleteObjects"):
+            self.s3.meta.events.register(f"before-send.s3.{operation}", lambda **_: self.keeper.check())
 
     def may_write(self) -> None:
         self.keeper.check(self.retry)
@@ -177,14 +185,17 @@ class Uploader:
     def _put_file(self, folder: Path, name: str, handle, manifest: dict) -> None:
         key = self.ckpts.key(folder.name, name)
         source = self._same_bytes_in_s3(folder.name, name, manifest)
+        # Called as the bytes go (every 256 KB or so): a part that takes longer than ttl/2 to send
+        # stops once the lease is lost, and s3transfer aborts the multipart upload.
+        still_ours = lambda _bytes: self.keeper.check()  # noqa: E731
         if source:  # best/ is a step that is already up: copy inside S3
             copy = {"Bucket": self.run.bucket, "Key": source}
-            self.write(self.s3.copy, copy, self.run.bucket, key, Config=s3lib.TRANSFER)
+            self.write(self.s3.copy, copy, self.run.bucket, key, Config=s3lib.TRANSFER, Callback=still_ours)
             return
 
         def put():
             handle.seek(0)
-            self.s3.upload_fileobj(handle, self.run.bucket, key, Config=s3lib.TRANSFER)
+            self.s3.upload_fileobj(handle, self.run.bucket, key, Config=s3lib.TRANSFER, Callback=still_ours)
 
         self.write(put)
 

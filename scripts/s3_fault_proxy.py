@@ -10,9 +10,16 @@ proxy injects a fault instead:
     reset    drop the client connection with a TCP RST, without answering: right after the
              request headers ("before_body"), after reading the whole request ("after_body"), or,
              when asked for, after the upstream has acted on it ("after_upstream");
-    slow     wait slow_seconds, then answer normally;
+    slow     wait slow_seconds, then answer normally (only requests whose target contains
+             slow_match, when it is set: e.g. "partNumber=" slows multipart parts alone);
     outage   every request gets a fault (503 by default, or 500, or reset) until it is turned
              off or, for a timed outage, until outage_seconds have passed.
+
+With ignore_conditional_writes, the proxy plays a store that ignores conditional writes (some
+S3-compatible stores): it strips If-None-Match and If-Match from PUT, POST and DELETE requests
+before forwarding them, so a write that S3 must refuse with 412 lands. (moto checks no
+signatures; a real S3 would refuse the stripped, signed headers.) Stats count them in
+conditions_ignored.
 
 error_rate, reset_rate and slow_rate are per-request probabilities, drawn from
 random.Random(seed) so that a run can be replayed; a request gets at most one fault, and error is
@@ -99,6 +106,8 @@ class FaultSettings:
     error_statuses: tuple[int, ...] = (503, 500)
     reset_points: tuple[str, ...] = ("before_body", "after_body")
     outage_fault: str = "503"
+    slow_match: str = ""
+    ignore_conditional_writes: bool = False
     verbose: bool = False
 
     def validated(self) -> FaultSettings:
@@ -121,8 +130,10 @@ SETTING_TYPES = {
     "error_rate": float, "reset_rate": float, "slow_rate": float, "slow_seconds": float,
     "error_statuses": lambda v: tuple(int(s) for s in v),
     "reset_points": lambda v: tuple(str(p) for p in v),
-    "outage_fault": str, "verbose": bool,
+    "outage_fault": str, "slow_match": str, "ignore_conditional_writes": bool, "verbose": bool,
 }
+CONDITIONAL_HEADERS = {"if-none-match", "if-match"}
+WRITE_METHODS = {"PUT", "POST", "DELETE"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +259,7 @@ class FaultProxy:
                 "by_method": dict(self._by_method),
                 "by_outcome": dict(self._by_outcome),
                 "upstream_failures": self._upstream_failures,
+                "conditions_ignored": self._conditions_ignored,
                 "recent": list(self._recent),
             }
 
@@ -260,6 +272,7 @@ class FaultProxy:
         self._by_method: collections.Counter[str] = collections.Counter()
         self._by_outcome: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self._upstream_failures = 0
+        self._conditions_ignored = 0
         self._recent: collections.deque[tuple[float, str, str, str]] = collections.deque(
             maxlen=self._history)
 
@@ -267,13 +280,23 @@ class FaultProxy:
         with self._lock:
             self._upstream_failures += 1
 
+    def forwards_header(self, method: str, name: str) -> bool:
+        """False for a conditional write's condition when playing a store that ignores them."""
+        if name.lower() not in CONDITIONAL_HEADERS or method not in WRITE_METHODS:
+            return True
+        with self._lock:
+            if not self._settings.ignore_conditional_writes:
+                return True
+            self._conditions_ignored += 1
+            return False
+
     # Faults
 
     def choose_fault(self, method: str, path: str) -> Fault:
         """Draws this request's fate and counts it (at arrival, so gaps show client backoff)."""
         with self._lock:
             now = time.monotonic()
-            fault = self._draw_fault(now)
+            fault = self._draw_fault(now, path)
             self._total += 1
             self._by_method[method] += 1
             self._by_outcome[fault.outcome] += 1
@@ -287,7 +310,7 @@ class FaultProxy:
         with self._lock:
             return self._settings.slow_seconds
 
-    def _draw_fault(self, now: float) -> Fault:
+    def _draw_fault(self, now: float, path: str) -> Fault:
         if self._outage_remaining(now) > 0:
             return self._outage_fault()
         settings = self._settings
@@ -300,7 +323,7 @@ class FaultProxy:
         if draw < settings.reset_rate:
             return Fault("reset", "reset", reset_point=self._rng.choice(settings.reset_points))
         draw -= settings.reset_rate
-        if draw < settings.slow_rate:
+        if draw < settings.slow_rate and settings.slow_match in path:
             return Fault("slow", "slow")
         return FORWARD
 
@@ -497,9 +520,10 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             with _upstream_errors():
                 upstream.putrequest(self.command, self.path, skip_host=True,
                                     skip_accept_encoding=True)
+                proxy = self.server.proxy
                 for name, value in self.headers.items():
                     # The client's Expect was answered here; the upstream gets the body at once.
-                    if name.lower() != "expect":
+                    if name.lower() != "expect" and proxy.forwards_header(self.command, name):
                         upstream.putheader(name, value)
                 upstream.endheaders()
             for piece in self._iter_raw_body():
@@ -694,6 +718,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated statuses an error fault picks from (500, 503)")
     parser.add_argument("--reset-points", default="before_body,after_body",
                         help=f"comma-separated points a reset fault picks from {RESET_POINTS}")
+    parser.add_argument("--slow-match", default="",
+                        help="slow only requests whose target contains this, e.g. partNumber=")
+    parser.add_argument("--ignore-conditional-writes", action="store_true",
+                        help="strip If-None-Match and If-Match from writes (a store without them)")
     parser.add_argument("--outage-fault", choices=OUTAGE_FAULTS, default="503")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="log each injected fault to stderr")
@@ -719,6 +747,7 @@ def main(argv: list[str] | None = None) -> int:
             error_rate=args.error_rate, reset_rate=args.reset_rate, slow_rate=args.slow_rate,
             slow_seconds=args.slow_seconds, error_statuses=args.error_statuses.split(","),
             reset_points=args.reset_points.split(","), outage_fault=args.outage_fault,
+            slow_match=args.slow_match, ignore_conditional_writes=args.ignore_conditional_writes,
             verbose=args.verbose)
     except ValueError as error:
         print(f"s3_fault_proxy: {error}", file=sys.stderr)

@@ -1,0 +1,246 @@
+"""The lease against a store that differs from AWS S3, and writes that outlast its freshness window.
+
+A store that ignores If-None-Match / If-Match (the fault proxy's ignore_conditional_writes mode
+strips them from writes before moto sees them) would let two pods both win the lease: lease.py
+proves at every acquire that the store refuses a write it must refuse, and stops with exit 64
+unless S3_LEASE=off. A checkpoint upload slower than ttl/2 is checked as its bytes go, so a
+takeover meanwhile stops it before any of it becomes an object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import boto3
+import botocore.exceptions
+import pytest
+from boto3.s3.transfer import TransferConfig
+
+import checkpoint
+import lease as leaselib
+import s3 as s3lib
+from podlab import BUCKET, ROOT, wait_until
+from s3_fault_proxy import FaultProxy
+from uploader import Uploader
+
+JOB = ROOT / "job"
+PART = 5 << 20  # S3's smallest multipart part
+
+
+def keys_in_s3(s3, prefix: str) -> list[str]:
+    return [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])]
+
+
+def acquire(tmp_path, endpoint: str, uri: str, **env: str) -> subprocess.CompletedProcess:
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, str(JOB / "lease.py"), "acquire", uri, str(state / "lease.json")],
+                          env={**os.environ, "AWS_ENDPOINT_URL": endpoint, "LEASE_TTL_SECONDS": "30",
+                               "LEASE_WAIT_SECONDS": "10", **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+# -- the proxy's mode ----------------------------------------------------------------------------
+
+
+def test_proxy_ignoring_conditional_writes_lets_a_put_that_must_fail_land(s3, s3_endpoint):
+    s3.put_object(Bucket=BUCKET, Key="k", Body=b"first")
+    with FaultProxy(upstream=s3_endpoint, ignore_conditional_writes=True) as proxy:
+        through = boto3.client("s3", endpoint_url=proxy.url)
+        through.put_object(Bucket=BUCKET, Key="k", Body=b"second", IfNoneMatch="*")
+        through.put_object(Bucket=BUCKET, Key="k", Body=b"third", IfMatch='"0123456789abcdef0123456789abcdef"')
+        # A GET's conditions are not writes: they still work.
+        etag = through.head_object(Bucket=BUCKET, Key="k")["ETag"]
+        with pytest.raises(botocore.exceptions.ClientError, match="304|Not Modified"):
+            through.get_object(Bucket=BUCKET, Key="k", IfNoneMatch=etag)
+        assert proxy.stats()["conditions_ignored"] == 2
+        proxy.configure(ignore_conditional_writes=False)
+        with pytest.raises(botocore.exceptions.ClientError, match="PreconditionFailed"):
+            through.put_object(Bucket=BUCKET, Key="k", Body=b"fourth", IfNoneMatch="*")
+    assert s3.get_object(Bucket=BUCKET, Key="k")["Body"].read() == b"third"
+
+
+# -- acquire proves the store ---------------------------------------------------------------------
+
+
+def test_acquire_on_a_store_ignoring_conditional_writes_exits_64_with_one_line(s3, s3_endpoint, tmp_path):
+    uri = f"s3://{BUCKET}/runs/lax/"
+    with FaultProxy(upstream=s3_endpoint, ignore_conditional_writes=True) as proxy:
+        result = acquire(tmp_path, proxy.url, uri)
+        requests = proxy.stats()["total"]
+    output = result.stdout + result.stderr
+    assert result.returncode == 64, output
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if re.search(r"\berror: ", line)]
+    assert len(errors) == 1, output
+    assert "ignores If-None-Match and If-Match on PUT" in errors[0]
+    assert "S3_LEASE=off" in errors[0] and "one pod per S3_OUTPUT_URI" in errors[0]
+    assert keys_in_s3(s3, "runs/lax/") == [], "the lease it took was let go again"
+    assert not (tmp_path / "state" / "lease.json").exists(), "the pod's finish must not think it holds a lease"
+    assert requests <= 8, f"{requests} requests to find out"
+
+
+def test_acquire_on_a_store_with_conditional_writes_costs_two_refused_puts(s3, s3_endpoint, tmp_path):
+    uri = f"s3://{BUCKET}/runs/strict/"
+    with FaultProxy(upstream=s3_endpoint) as proxy:
+        result = acquire(tmp_path, proxy.url, uri)
+        requests = [(method, path) for _, method, path, _ in proxy.stats()["recent"]]
+    assert result.returncode == 0, result.stdout + result.stderr
+    state = json.loads((tmp_path / "state" / "lease.json").read_text())
+    lease = json.loads(s3.get_object(Bucket=BUCKET, Key="runs/strict/lease.json")["Body"].read())
+    assert lease["holder"] == state["holder"] and state["held"] is True
+    assert s3.head_object(Bucket=BUCKET, Key="runs/strict/lease.json")["ETag"] == state["etag"], \
+        "the refused probes changed nothing"
+    puts = [path for method, path in requests if method == "PUT"]
+    assert puts == ["/test-bucket/runs/strict/lease.json"] * 3, requests  # take it, then two refused
+    assert len(requests) == 5, requests  # and one GET before, one HEAD for COMPLETE
+    assert keys_in_s3(s3, "runs/strict/") == ["runs/strict/lease.json"], "no probe object left behind"
+
+
+def test_acquire_with_s3_lease_off_on_a_lax_store_holds_nothing_and_asks_s3_nothing(s3, s3_endpoint, tmp_path):
+    with FaultProxy(upstream=s3_endpoint, ignore_conditional_writes=True) as proxy:
+        result = acquire(tmp_path, proxy.url, f"s3://{BUCKET}/runs/off/", S3_LEASE="off")
+        requests = proxy.stats()["total"]
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "warning: S3_LEASE=off" in result.stdout
+    assert json.loads((tmp_path / "state" / "lease.json").read_text())["held"] is False
+    assert requests == 0 and keys_in_s3(s3, "runs/off/") == []
+
+
+def test_uploader_without_a_lease_uploads_and_applies_retention(s3, s3_endpoint, tmp_path, monkeypatch):
+    uri = f"s3://{BUCKET}/runs/unleased/"
+    assert acquire(tmp_path, s3_endpoint, uri, S3_LEASE="off").returncode == 0
+    monkeypatch.setenv("STATE_DIR", str(tmp_path / "state"))
+    uploader = Uploader(s3lib.Location.parse(uri), tmp_path / "out", retry_seconds=10)
+    uploader.hold_lease()
+    for step in (5, 10, 15):
+        commit(tmp_path / "out", step, size=1000, keep=2)
+    uploader.sync_checkpoints()
+    assert "runs/unleased/lease.json" not in keys_in_s3(s3, "runs/unleased/"), "a lease was taken"
+    uploader.keeper.stop()
+    uploader.keeper.lease.release(uploader.retry)
+    committed = {k.split("/")[-2] for k in keys_in_s3(s3, "runs/unleased/") if k.endswith("manifest.json")}
+    assert committed == {"step-00000010", "step-00000015"}
+    assert not (tmp_path / "state" / "lease.json").exists()
+
+
+# -- a write longer than the freshness window --------------------------------------------------
+
+
+def commit(out, step: int, size: int, keep: int = 3):
+    with checkpoint.stage(out / "checkpoints" / checkpoint.step_dir_name(step)) as staged:
+        with staged.open("model.pt") as file:
+            file.write(os.urandom(size))
+        staged.commit(meta={"step": step, "keep": keep})
+    return out / "checkpoints" / checkpoint.step_dir_name(step)
+
+
+@pytest.fixture
+def slow_parts(s3, s3_endpoint, tmp_path, monkeypatch):
+    """An uploader whose lease lives 3 s, uploading 5 MB parts one at a time through a proxy that
+    answers each part 1.5 s late: an 8-part file takes about 12 s, four times ttl/2."""
+    monkeypatch.setattr(s3lib, "TRANSFER", TransferConfig(multipart_threshold=PART, multipart_chunksize=PART,
+                                                          max_concurrency=1, use_threads=True))
+    with FaultProxy(upstream=s3_endpoint, slow_rate=1.0, slow_seconds=1.5, slow_match="partNumber=") as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        monkeypatch.setenv("LEASE_TTL_SECONDS", "3")
+        monkeypatch.setenv("STATE_DIR", str(tmp_path / "state"))
+        (tmp_path / "state").mkdir()
+        where = s3lib.Location.parse(f"s3://{BUCKET}/runs/slow/")
+        assert leaselib.Lease(s3lib.client(), where, "this-pod", 3, path=tmp_path / "state" / "lease.json").acquire(10)
+        uploader = Uploader(where, tmp_path / "out", retry_seconds=10)
+        uploader.hold_lease()
+        yield uploader, proxy
+        uploader.keeper.stop()
+
+
+def parts_sent(proxy) -> int:
+    return len([p for _, method, p, _ in proxy.stats()["recent"] if method == "PUT" and "partNumber=" in p])
+
+
+def upload_in_background(uploader, folder):
+    outcome = {}
+
+    def upload():
+        try:
+            outcome["uploaded"] = uploader.upload_checkpoint(folder)
+        except BaseException as err:  # noqa: BLE001 - the test looks at it
+            outcome["error"] = err
+
+    thread = threading.Thread(target=upload)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_write_longer_than_ttl_half_stops_at_a_takeover_and_nothing_of_it_lands(slow_parts, s3, tmp_path):
+    uploader, proxy = slow_parts
+    folder = commit(tmp_path / "out", 5, size=8 * PART)
+    thread, outcome = upload_in_background(uploader, folder)
+    assert wait_until(lambda: parts_sent(proxy) >= 1, 60), "the upload never started"
+    usurper = {"holder": "other-pod/1234", "ttl_seconds": 3, "renewed_at": time.time()}
+    s3.put_object(Bucket=BUCKET, Key="runs/slow/lease.json", Body=json.dumps(usurper).encode())
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert isinstance(outcome.get("error"), leaselib.LeaseLost), outcome
+    assert parts_sent(proxy) < 8, "the transfer went on after the takeover"
+    assert keys_in_s3(s3, "runs/slow/") == ["runs/slow/lease.json"], "part of the checkpoint landed"
+    assert not s3.list_multipart_uploads(Bucket=BUCKET).get("Uploads"), "its parts were left in S3"
+    lease = json.loads(s3.get_object(Bucket=BUCKET, Key="runs/slow/lease.json")["Body"].read())
+    assert lease["holder"] == "other-pod/1234"
+
+
+def test_a_write_longer_than_ttl_half_completes_while_the_lease_is_renewed(slow_parts, s3, tmp_path):
+    uploader, proxy = slow_parts
+    folder = commit(tmp_path / "out", 5, size=3 * PART + 1234)
+    thread, outcome = upload_in_background(uploader, folder)
+    thread.join(timeout=120)
+    assert outcome == {"uploaded": True}, outcome
+    assert parts_sent(proxy) == 4
+    manifest = json.loads(s3.get_object(Bucket=BUCKET, Key="runs/slow/checkpoints/step-00000005/manifest.json")
+                          ["Body"].read())
+    body = s3.get_object(Bucket=BUCKET, Key="runs/slow/checkpoints/step-00000005/model.pt")["Body"].read()
+    assert len(body) == manifest["files"]["model.pt"]["size"] == 3 * PART + 1234
+    assert uploader.keeper.lost is None
+
+
+# -- through the real job.yaml --------------------------------------------------------------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")
+
+
+@pytest.mark.slow
+@needs_root
+def test_pod_on_a_store_ignoring_conditional_writes_stops_with_64_and_one_line(run, s3_endpoint):
+    with FaultProxy(upstream=s3_endpoint, ignore_conditional_writes=True) as proxy:
+        run.endpoint = proxy.url
+        pod = run.start()
+        code = pod.wait(timeout=300)
+    assert code == 64, pod.output[-3000:]
+    errors = [line for line in pod.lines if re.search(r"\berror: ", line)]
+    assert len(errors) == 1, errors
+    assert "ignores If-None-Match and If-Match on PUT" in errors[0] and "S3_LEASE=off" in errors[0]
+    assert "train: model:" not in pod.output, "it trained without a lease"
+    assert run.keys() == {}, "the lease was let go and nothing was uploaded"
+
+
+@pytest.mark.slow
+@needs_root
+def test_pod_with_s3_lease_off_on_that_store_trains_and_completes(run, s3_endpoint):
+    with FaultProxy(upstream=s3_endpoint, ignore_conditional_writes=True) as proxy:
+        run.endpoint = proxy.url
+        pod = run.start(S3_LEASE="off")
+        code = pod.wait(timeout=300)
+    assert code == 0, pod.output[-3000:]
+    warnings = [line for line in pod.lines if "S3_LEASE=off" in line]
+    assert len(warnings) == 1 and "warning:" in warnings[0], warnings
+    assert not [line for line in pod.lines if re.search(r"\berror: ", line)]
+    assert "COMPLETE" in run.keys() and "lease.json" not in run.keys()
+    assert run.committed_steps()
+    for step in run.committed_steps():
+        assert run.verify_in_s3(f"step-{step:08d}") is None
