@@ -32,15 +32,15 @@ def test_ttl_refuses_what_is_no_number_or_would_make_renewal_spin(value):
     assert line.startswith(f"LEASE_TTL_SECONDS={value} ") and "at least 3" in line and "job.yaml" in line
 
 
-@pytest.mark.parametrize("value,expected", [(None, 3000.0), ("", 3000.0), ("3000", 3000.0), ("0.5", 0.5), ("60", 60.0)])
-def test_wait_accepts_positive_seconds(value, expected):
+@pytest.mark.parametrize("value,expected", [(None, 3000.0), ("", 3000.0), ("3000", 3000.0), ("0", 0.0), ("60", 60.0)])
+def test_wait_accepts_seconds_from_zero_up(value, expected):
     environ = {} if value is None else {"LEASE_WAIT_SECONDS": value}
     assert leaselib.wait_seconds(environ) == expected
 
 
-@pytest.mark.parametrize("value", ["forever", "0", "-1", "nan", "inf"])
-def test_wait_refuses_what_is_no_positive_number(value):
-    with pytest.raises(s3lib.BadInput, match=f"^LEASE_WAIT_SECONDS={value} must be a positive number of seconds"):
+@pytest.mark.parametrize("value", ["forever", "-1", "-0.5", "nan", "inf"])
+def test_wait_refuses_what_is_no_number_or_negative(value):
+    with pytest.raises(s3lib.BadInput, match=f"^LEASE_WAIT_SECONDS={value} must be a number of seconds, at least 0"):
         leaselib.wait_seconds({"LEASE_WAIT_SECONDS": value})
 
 
@@ -109,7 +109,7 @@ def test_a_held_lease_loads_as_a_lease(tmp_path, monkeypatch):
 @pytest.mark.parametrize("env,message", [
     ({"LEASE_TTL_SECONDS": "0.1"}, "LEASE_TTL_SECONDS=0.1 must be a number of seconds, at least 3"),
     ({"LEASE_TTL_SECONDS": "two minutes"}, "LEASE_TTL_SECONDS=two minutes must be a number of seconds"),
-    ({"LEASE_WAIT_SECONDS": "-1"}, "LEASE_WAIT_SECONDS=-1 must be a positive number of seconds"),
+    ({"LEASE_WAIT_SECONDS": "-1"}, "LEASE_WAIT_SECONDS=-1 must be a number of seconds, at least 0"),
     ({"S3_LEASE": "maybe"}, "S3_LEASE=maybe must be on or off"),
 ])
 def test_lease_py_on_a_bad_setting_exits_64_with_one_line_before_any_s3_call(env, message, monkeypatch, capsys,
