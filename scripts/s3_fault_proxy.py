@@ -19,7 +19,8 @@ With ignore_conditional_writes, the proxy plays a store that ignores conditional
 S3-compatible stores): it strips If-None-Match and If-Match from PUT, POST and DELETE requests
 before forwarding them, so a write that S3 must refuse with 412 lands. (moto checks no
 signatures; a real S3 would refuse the stripped, signed headers.) Stats count them in
-conditions_ignored.
+conditions_ignored. With refuse_conditional_writes it plays a store that answers such writes with
+501 NotImplemented instead (counted in conditions_refused).
 
 error_rate, reset_rate and slow_rate are per-request probabilities, drawn from
 random.Random(seed) so that a run can be replayed; a request gets at most one fault, and error is
@@ -85,6 +86,10 @@ S3_ERRORS = {
     500: ("InternalError", "We encountered an internal error. Please try again."),
     503: ("SlowDown", "Please reduce your request rate."),
 }
+# What a store without conditional writes may answer them with; never drawn as a fault.
+NOT_IMPLEMENTED = {
+    501: ("NotImplemented", "A header you provided implies functionality that is not implemented."),
+}
 RESET_POINTS = ("before_body", "after_body", "after_upstream")
 OUTAGE_FAULTS = ("503", "500", "reset")
 OUTCOMES = ("forwarded", "error", "reset", "slow", "outage")
@@ -108,6 +113,7 @@ class FaultSettings:
     outage_fault: str = "503"
     slow_match: str = ""
     ignore_conditional_writes: bool = False
+    refuse_conditional_writes: bool = False
     verbose: bool = False
 
     def validated(self) -> FaultSettings:
@@ -130,7 +136,8 @@ SETTING_TYPES = {
     "error_rate": float, "reset_rate": float, "slow_rate": float, "slow_seconds": float,
     "error_statuses": lambda v: tuple(int(s) for s in v),
     "reset_points": lambda v: tuple(str(p) for p in v),
-    "outage_fault": str, "slow_match": str, "ignore_conditional_writes": bool, "verbose": bool,
+    "outage_fault": str, "slow_match": str, "ignore_conditional_writes": bool,
+    "refuse_conditional_writes": bool, "verbose": bool,
 }
 CONDITIONAL_HEADERS = {"if-none-match", "if-match"}
 WRITE_METHODS = {"PUT", "POST", "DELETE"}
@@ -260,6 +267,7 @@ class FaultProxy:
                 "by_outcome": dict(self._by_outcome),
                 "upstream_failures": self._upstream_failures,
                 "conditions_ignored": self._conditions_ignored,
+                "conditions_refused": self._conditions_refused,
                 "recent": list(self._recent),
             }
 
@@ -273,12 +281,23 @@ class FaultProxy:
         self._by_outcome: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self._upstream_failures = 0
         self._conditions_ignored = 0
+        self._conditions_refused = 0
         self._recent: collections.deque[tuple[float, str, str, str]] = collections.deque(
             maxlen=self._history)
 
     def _count_upstream_failure(self) -> None:
         with self._lock:
             self._upstream_failures += 1
+
+    def refuses(self, method: str, headers) -> bool:
+        """True for a conditional write when playing a store that answers them with 501."""
+        if method not in WRITE_METHODS or not CONDITIONAL_HEADERS & {name.lower() for name in headers}:
+            return False
+        with self._lock:
+            if not self._settings.refuse_conditional_writes:
+                return False
+            self._conditions_refused += 1
+            return True
 
     def forwards_header(self, method: str, name: str) -> bool:
         """False for a conditional write's condition when playing a store that ignores them."""
@@ -399,6 +418,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             self._answer_s3_error(fault.status)
         elif fault.action == "reset":
             self._reset_at(fault.reset_point)
+        elif proxy.refuses(self.command, self.headers.keys()):
+            self._answer_s3_error(501)
         else:
             self._forward(slow_seconds=proxy.slow_seconds() if fault.action == "slow" else 0.0)
 
@@ -465,7 +486,7 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         if self._has_body() and not self._expects_continue():
             # Reading it keeps the connection usable, as S3 itself does for small bodies.
             self._discard_body()
-        code, message = S3_ERRORS[status]
+        code, message = S3_ERRORS.get(status) or NOT_IMPLEMENTED[status]
         request_id = os.urandom(8).hex().upper()
         body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
                 f"<Message>{message}</Message><RequestId>{request_id}</RequestId></Error>").encode()
@@ -722,6 +743,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="slow only requests whose target contains this, e.g. partNumber=")
     parser.add_argument("--ignore-conditional-writes", action="store_true",
                         help="strip If-None-Match and If-Match from writes (a store without them)")
+    parser.add_argument("--refuse-conditional-writes", action="store_true",
+                        help="answer writes with If-None-Match or If-Match with 501 NotImplemented")
     parser.add_argument("--outage-fault", choices=OUTAGE_FAULTS, default="503")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="log each injected fault to stderr")
@@ -748,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
             slow_seconds=args.slow_seconds, error_statuses=args.error_statuses.split(","),
             reset_points=args.reset_points.split(","), outage_fault=args.outage_fault,
             slow_match=args.slow_match, ignore_conditional_writes=args.ignore_conditional_writes,
-            verbose=args.verbose)
+            refuse_conditional_writes=args.refuse_conditional_writes, verbose=args.verbose)
     except ValueError as error:
         print(f"s3_fault_proxy: {error}", file=sys.stderr)
         return 2

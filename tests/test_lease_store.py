@@ -244,3 +244,17 @@ def test_pod_with_s3_lease_off_on_that_store_trains_and_completes(run, s3_endpoi
     assert run.committed_steps()
     for step in run.committed_steps():
         assert run.verify_in_s3(f"step-{step:08d}") is None
+
+
+def test_acquire_on_a_store_refusing_conditional_writes_exits_64_with_one_line(s3, s3_endpoint, tmp_path):
+    with FaultProxy(upstream=s3_endpoint, refuse_conditional_writes=True) as proxy:
+        result = acquire(tmp_path, proxy.url, f"s3://{BUCKET}/runs/refusing/")
+        refused = proxy.stats()["conditions_refused"]
+    output = result.stdout + result.stderr
+    assert result.returncode == 64, output
+    errors = [line for line in output.splitlines() if re.search(r"\berror: ", line)]
+    assert len(errors) == 1 and "Traceback" not in output, output
+    assert "the S3 store refuses conditional writes (NotImplemented, 501)" in errors[0]
+    assert "S3_LEASE=off" in errors[0] and "one pod per S3_OUTPUT_URI" in errors[0]
+    assert refused == 1, "no retry of what no retry fixes"
+    assert keys_in_s3(s3, "runs/refusing/") == []
