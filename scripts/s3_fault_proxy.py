@@ -22,6 +22,10 @@ signatures; a real S3 would refuse the stripped, signed headers.) Stats count th
 conditions_ignored. With refuse_conditional_writes it plays a store that answers such writes with
 501 NotImplemented instead (counted in conditions_refused).
 
+body_seconds_per_mb plays a slow uplink: every request body is read from the client at that pace
+(1 MB per body_seconds_per_mb seconds, in pieces of up to 1 MB), so an upload takes as long as it
+would over a slow network while its client keeps sending.
+
 error_rate, reset_rate and slow_rate are per-request probabilities, drawn from
 random.Random(seed) so that a run can be replayed; a request gets at most one fault, and error is
 checked before reset, reset before slow. Stats count requests by method and by outcome (forwarded,
@@ -114,6 +118,7 @@ class FaultSettings:
     slow_match: str = ""
     ignore_conditional_writes: bool = False
     refuse_conditional_writes: bool = False
+    body_seconds_per_mb: float = 0.0
     verbose: bool = False
 
     def validated(self) -> FaultSettings:
@@ -121,8 +126,9 @@ class FaultSettings:
             rate = getattr(self, name)
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"{name} must be within [0, 1], got {rate}")
-        if self.slow_seconds < 0:
-            raise ValueError(f"slow_seconds must be >= 0, got {self.slow_seconds}")
+        for name in ("slow_seconds", "body_seconds_per_mb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.error_statuses or not set(self.error_statuses) <= set(S3_ERRORS):
             raise ValueError(f"error_statuses must be some of {sorted(S3_ERRORS)}")
         if not self.reset_points or not set(self.reset_points) <= set(RESET_POINTS):
@@ -137,7 +143,7 @@ SETTING_TYPES = {
     "error_statuses": lambda v: tuple(int(s) for s in v),
     "reset_points": lambda v: tuple(str(p) for p in v),
     "outage_fault": str, "slow_match": str, "ignore_conditional_writes": bool,
-    "refuse_conditional_writes": bool, "verbose": bool,
+    "refuse_conditional_writes": bool, "body_seconds_per_mb": float, "verbose": bool,
 }
 CONDITIONAL_HEADERS = {"if-none-match", "if-match"}
 WRITE_METHODS = {"PUT", "POST", "DELETE"}
@@ -328,6 +334,13 @@ class FaultProxy:
     def slow_seconds(self) -> float:
         with self._lock:
             return self._settings.slow_seconds
+
+    def pace_body(self, size: int) -> None:
+        """Wait as a slow uplink would before the next `size` bytes of a request body."""
+        with self._lock:
+            seconds = self._settings.body_seconds_per_mb * size / COPY_CHUNK
+        if seconds:
+            self._stopping.wait(seconds)
 
     def _draw_fault(self, now: float, path: str) -> Fault:
         if self._outage_remaining(now) > 0:
@@ -548,6 +561,7 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
                         upstream.putheader(name, value)
                 upstream.endheaders()
             for piece in self._iter_raw_body():
+                self.server.proxy.pace_body(len(piece))
                 with _upstream_errors():
                     upstream.send(piece)
             with _upstream_errors():
@@ -745,6 +759,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="strip If-None-Match and If-Match from writes (a store without them)")
     parser.add_argument("--refuse-conditional-writes", action="store_true",
                         help="answer writes with If-None-Match or If-Match with 501 NotImplemented")
+    parser.add_argument("--body-seconds-per-mb", type=float, default=0.0,
+                        help="read request bodies at this pace: a slow uplink")
     parser.add_argument("--outage-fault", choices=OUTAGE_FAULTS, default="503")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="log each injected fault to stderr")
@@ -771,7 +787,8 @@ def main(argv: list[str] | None = None) -> int:
             slow_seconds=args.slow_seconds, error_statuses=args.error_statuses.split(","),
             reset_points=args.reset_points.split(","), outage_fault=args.outage_fault,
             slow_match=args.slow_match, ignore_conditional_writes=args.ignore_conditional_writes,
-            refuse_conditional_writes=args.refuse_conditional_writes, verbose=args.verbose)
+            refuse_conditional_writes=args.refuse_conditional_writes,
+            body_seconds_per_mb=args.body_seconds_per_mb, verbose=args.verbose)
     except ValueError as error:
         print(f"s3_fault_proxy: {error}", file=sys.stderr)
         return 2

@@ -258,3 +258,55 @@ def test_acquire_on_a_store_refusing_conditional_writes_exits_64_with_one_line(s
     assert "S3_LEASE=off" in errors[0] and "one pod per S3_OUTPUT_URI" in errors[0]
     assert refused == 1, "no retry of what no retry fixes"
     assert keys_in_s3(s3, "runs/refusing/") == []
+
+
+def test_a_single_put_streaming_longer_than_ttl_half_stops_mid_body_at_a_takeover(s3, s3_endpoint, tmp_path,
+                                                                                   monkeypatch):
+    """One request, no parts: only the check as the bytes go can stop it once it is sent."""
+    with FaultProxy(upstream=s3_endpoint, body_seconds_per_mb=0.5) as proxy:  # 24 MB: 12 s
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        monkeypatch.setenv("LEASE_TTL_SECONDS", "3")
+        monkeypatch.setenv("STATE_DIR", str(tmp_path / "state"))
+        (tmp_path / "state").mkdir()
+        where = s3lib.Location.parse(f"s3://{BUCKET}/runs/stream/")
+        assert leaselib.Lease(s3lib.client(), where, "this-pod", 3, path=tmp_path / "state" / "lease.json").acquire(10)
+        uploader = Uploader(where, tmp_path / "out", retry_seconds=10)
+        uploader.hold_lease()
+        try:
+            folder = commit(tmp_path / "out", 5, size=24 << 20)
+            thread, outcome = upload_in_background(uploader, folder)
+            assert wait_until(lambda: any(m == "PUT" and "model.pt" in p for _, m, p, _ in proxy.stats()["recent"]),
+                              60), "the upload never started"
+            usurper = {"holder": "other-pod/1234", "ttl_seconds": 3, "renewed_at": time.time()}
+            s3.put_object(Bucket=BUCKET, Key="runs/stream/lease.json", Body=json.dumps(usurper).encode())
+            thread.join(timeout=120)
+        finally:
+            uploader.keeper.stop()
+    assert isinstance(outcome.get("error"), leaselib.LeaseLost), outcome
+    assert keys_in_s3(s3, "runs/stream/") == ["runs/stream/lease.json"], "the body was sent whole and landed"
+
+
+def test_every_write_request_of_the_uploader_waits_on_the_lease_reads_do_not(s3, s3_endpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("LEASE_TTL_SECONDS", "3")
+    monkeypatch.setenv("STATE_DIR", str(tmp_path / "state"))
+    (tmp_path / "state").mkdir()
+    where = s3lib.Location.parse(f"s3://{BUCKET}/runs/gated/")
+    assert leaselib.Lease(s3lib.client(), where, "this-pod", 3, path=tmp_path / "state" / "lease.json").acquire(10)
+    s3.put_object(Bucket=BUCKET, Key="runs/gated/old", Body=b"kept")
+    uploader = Uploader(where, tmp_path / "out", retry_seconds=10)
+    uploader.hold_lease()
+    try:
+        s3.put_object(Bucket=BUCKET, Key="runs/gated/lease.json", Body=b'{"holder": "other-pod"}')
+        assert wait_until(lambda: uploader.keeper.lost, 30), "the keeper never saw the takeover"
+        # Straight calls on the client, no write() around them: the client itself refuses.
+        for call, args in [(uploader.s3.put_object, {"Key": "runs/gated/new", "Body": b"x"}),
+                           (uploader.s3.delete_object, {"Key": "runs/gated/old"}),
+                           (uploader.s3.copy_object, {"Key": "runs/gated/copy",
+                                                      "CopySource": {"Bucket": BUCKET, "Key": "runs/gated/old"}}),
+                           (uploader.s3.delete_objects, {"Delete": {"Objects": [{"Key": "runs/gated/old"}]}})]:
+            with pytest.raises(leaselib.LeaseLost):
+                call(Bucket=BUCKET, **args)
+        assert uploader.s3.get_object(Bucket=BUCKET, Key="runs/gated/old")["Body"].read() == b"kept"
+        assert sorted(keys_in_s3(uploader.s3, "runs/gated/")) == ["runs/gated/lease.json", "runs/gated/old"]
+    finally:
+        uploader.keeper.stop()
