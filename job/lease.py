@@ -9,6 +9,9 @@ over an expired one); S3 lets exactly one of two racing writers win. Expiry is j
 The holder renews every ttl/3 from a thread. A holder that cannot prove its lease is fresh writes
 nothing; one whose renewal is refused (412) has lost it and stops. "Fresh" means its last renewal
 was sent at most ttl/2 ago, so another pod can take it over no sooner than ttl/2 after any check.
+The uploader checks before each write request it sends (botocore's retries and multipart parts
+included) and every ~256 KB of a body, so one of its writes lands after a takeover only if S3
+applies it more than ttl/2 after its last check (a stalled request, a frozen pod).
 
 Some S3-compatible stores ignore If-None-Match / If-Match on PUT: there both racing pods would
 win. So every acquire proves the store refuses what it must (two conditional PUTs of the lease it
