@@ -21,6 +21,7 @@ import pytest
 import checkpoint
 import restore as restorelib
 import s3 as s3lib
+from helpers import train_command, train_env, write_config, write_corpus
 from podlab import BUCKET, ROOT
 
 PREFIX = "hostile/"
@@ -160,6 +161,25 @@ def test_with_a_key_only_a_signed_checkpoint_is_restored(s3, tmp_path, capsys, m
 
     monkeypatch.delenv("CHECKPOINT_HMAC_KEY")
     assert restore(s3, tmp_path / "plain-out") == NEW, "without a key, signatures are not looked at"
+
+
+def test_a_torch_older_than_2_6_refuses_to_load_a_checkpoint_with_exit_64(tmp_path):
+    data, cfg, out = write_corpus(tmp_path / "data"), write_config(tmp_path / "tiny.yaml"), tmp_path / "out"
+    first = subprocess.run(train_command(cfg, data, out, extra=("--set", "train.max_steps=5")),
+                           capture_output=True, text=True, env=train_env())
+    assert first.returncode == 0 and checkpoint.committed_steps(out / "checkpoints"), first.stderr
+    # No torch 2.5 can be installed here: this interpreter's torch reports itself as one.
+    old = tmp_path / "old-torch"
+    old.mkdir()
+    (old / "sitecustomize.py").write_text("import torch, torch.torch_version\n"
+                                          "torch.__version__ = torch.torch_version.TorchVersion('2.5.1+cu121')\n")
+    again = subprocess.run(train_command(cfg, data, out, extra=("--set", "train.max_steps=10")),
+                           capture_output=True, text=True, env=train_env(PYTHONPATH=str(old)))
+    assert again.returncode == 64, again.stdout + again.stderr
+    assert again.stderr.count("\n") == 1, again.stderr
+    assert "torch 2.5.1+cu121 cannot load a checkpoint safely" in again.stderr
+    assert "use an image with torch>=2.6" in again.stderr
+    assert "resumed from" not in again.stdout
 
 
 # -- through the real job.yaml -----------------------------------------------------------------
