@@ -12,11 +12,12 @@ What it does, with transformers' own callback API only:
 - After each save the Trainer's `checkpoint-N/` becomes `OUTPUT_DIR/checkpoints/step-N/`, committed
   with checkpoint.py's protocol (files fsynced, `manifest.json` with every file's size and sha256
   written last, then renamed into place). The files are *renamed* into the staging folder, not copied
-  and not hard-linked: no second copy on disk, no second write, and no shared inode: the Trainer
-  saves a step's folder again in place when it saves that step twice (a stop right after a scheduled
-  save, `save_strategy="epoch"` at the last step), and its writers truncate an existing file, which
-  through a hard link would rewrite a committed file. The emptied `checkpoint-N/` is removed, so
-  `save_total_limit` has nothing of ours to rotate; retention is `checkpoint.prune(keep)`.
+  and not hard-linked: no second copy on disk, no second write, and no shared inode. The Trainer
+  saves into the same `checkpoint-N/` again when it saves a step twice (`save_strategy="epoch"` at
+  the last step, a user's own `trainer.save_state()` ...), and `torch.save` (optimizer.pt,
+  scheduler.pt, rng_state.pth) truncates an existing file in place: through a hard link that rewrites
+  the committed file under its manifest. The emptied `checkpoint-N/` is removed, so `save_total_limit`
+  has nothing of ours to rotate; retention is `checkpoint.prune(keep)`.
 - `checkpoint()` picks the newest checkpoint that verifies against its manifest; torn ones (a
   `checkpoint-N/` killed mid-save, a staging folder, a step folder without manifest or with damaged
   files) are never resumed from: they are removed with a warning that names them.
