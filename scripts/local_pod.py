@@ -577,28 +577,34 @@ def mount_points() -> list[str]:
     points = []
     with open("/proc/self/mountinfo") as mountinfo:
         for line in mountinfo:
-            # Field 5 is the mount point, with space, tab, newline and backslash as octal escapes.
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+            point = unescape_mount_point(line.split()[4])
             if point not in points:
                 points.append(point)
     return points
 
 
-def make_root_read_only(pod: Pod) -> None:
+def unescape_mount_point(field: str) -> str:
+    # mountinfo writes space, tab, newline and backslash in a path as octal escapes.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def read_only_root_targets(points: list[str], volume_paths: set[str]) -> list[str]:
     """readOnlyRootFilesystem: the host's mounts under / are all the image's root filesystem here, so
     every one becomes read-only, not only / itself. What a container keeps writable stays so: its
-    volumes, the kernel filesystems (/proc, /dev with /dev/shm and /dev/pts) and /etc/hosts."""
-    writable = {m.path for m in pod.mounts if not m.read_only} | {"/etc/hosts"}
-
+    writable volumes, the kernel filesystems (/proc, /dev with /dev/shm and /dev/pts) and the
+    kubelet's /etc/hosts."""
     def under(path, top):
         return path == top or path.startswith(top.rstrip("/") + "/")
 
-    for point in mount_points():
-        if point in writable or any(under(point, top) for top in RUNTIME_WRITABLE):
-            continue
+    writable = volume_paths | {"/etc/hosts"}
+    return [p for p in points if p not in writable and not any(under(p, top) for top in RUNTIME_WRITABLE)]
+
+
+def make_root_read_only(pod: Pod) -> None:
+    for point in read_only_root_targets(mount_points(), {m.path for m in pod.mounts if not m.read_only}):
         try:
             remount_read_only(point)
-        except FileNotFoundError:  # covered by a later mount of a parent: nothing there to write
+        except FileNotFoundError:  # hidden under a later mount: nothing there to write
             continue
 
 
