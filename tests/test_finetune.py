@@ -239,6 +239,52 @@ def test_committed_checkpoints_hold_every_trainer_file_and_reports_are_written(t
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, MAX_STEPS + 1))
 
 
+# -- any Trainer script --------------------------------------------------------------------------------
+
+USER_SCRIPT = """
+import sys
+import datasets, torch
+from transformers import (AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator)
+
+model_dir, out = sys.argv[1], sys.argv[2]
+model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+g = torch.Generator().manual_seed(0)
+blocks = torch.randint(0, model.config.vocab_size, (64, 16), generator=g).tolist()
+data = datasets.Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+args = TrainingArguments(output_dir=out, max_steps=%(steps)d, per_device_train_batch_size=4, save_steps=%(interval)d,
+                         save_total_limit=1, logging_steps=1, use_cpu=True, report_to="none", seed=3)
+trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
+
+import hf_resume                                                # the change: these four lines
+resume = hf_resume.attach(trainer)
+trainer.train(resume_from_checkpoint=resume.checkpoint())
+hf_resume.main_exit(resume.exit_code())
+""" % {"steps": MAX_STEPS, "interval": INTERVAL}
+
+
+@pytest.mark.slow
+def test_a_plain_trainer_script_with_the_four_lines_resumes_exactly(tmp_path, lab):
+    script = tmp_path / "user_train.py"
+    script.write_text(USER_SCRIPT)
+    env = train_env(PYTHONPATH=str(CODE), HF_HUB_OFFLINE="1")
+
+    def cmd(out: Path) -> list[str]:
+        return [sys.executable, str(script), str(lab / "model"), str(out)]
+
+    code, output = run_until(cmd(tmp_path / "reference"), env=env)
+    assert code == 0, output
+    out = tmp_path / "out"
+    code, output = run_until(cmd(out), stop_when=f"step 12/{MAX_STEPS}", send=signal.SIGTERM, env=env)
+    assert code == 143, output
+    code, output = run_until(cmd(out), stop_when=f"step 17/{MAX_STEPS}", delay=0.05, env=env)
+    assert code == -signal.SIGKILL, output
+    code, output = run_until(cmd(out), env=env)
+    assert code == 0 and "resuming from step-" in output, output
+    # save_total_limit=1 became keep=1: the newest committed checkpoint alone.
+    assert [s for s, _ in checkpoint.committed_steps(out / "checkpoints")] == [MAX_STEPS]
+    assert sha256(final_weights(out, "full")) == sha256(final_weights(tmp_path / "reference", "full"))
+
+
 # -- bad input ----------------------------------------------------------------------------------------
 
 def _without_text_field(lab: Path, tmp: Path) -> list[str]:
