@@ -412,11 +412,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_libraries(settings: Settings) -> None:
+    import importlib.util
+
+    needed = ["transformers", "accelerate", "datasets"] + (["peft"] if settings.model.method == "lora" else [])
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} not installed; add them to the code's requirements.txt "
+                          f"(transformers==5.23.0 accelerate==1.15.0 peft==0.21.2) or to the image")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     try:
         settings = load_settings(args.config, args.set)
+        check_libraries(settings)
         settings.check_world_size(world_size)
         check_model_dir(Path(args.model_dir))
         texts = load_texts(Path(args.data_dir), settings.data)  # bad data fails before any process group
