@@ -174,7 +174,7 @@ def read_manifest(folder: Path) -> dict | None:
 def _load_manifest(folder: Path):
     try:
         return json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
@@ -187,7 +187,7 @@ def manifest_problem(value) -> str | None:
     """None for a manifest that counts, else why not: each file a plain name with its size and
     sha256, a known format, and with CHECKPOINT_HMAC_KEY set, a valid hmac."""
     files = value.get("files") if isinstance(value, dict) else None
-    if not isinstance(files, dict) or not isinstance(value.get("meta", {}), dict) or not all(
+    if not isinstance(files, dict) or not files or not isinstance(value.get("meta", {}), dict) or not all(
             isinstance(e, dict) and type(e.get("size")) is int and e["size"] >= 0
             and isinstance(e.get("sha256"), str) and _SHA256.fullmatch(e["sha256"])
             for e in files.values()):

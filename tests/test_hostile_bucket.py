@@ -102,6 +102,17 @@ def test_a_manifest_of_unknown_format_or_shape_is_damaged(s3, tmp_path, capsys, 
     assert f"warning: {NEW} in S3 is damaged ({problem}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("body,problem", [
+    (b"[" * 200_000 + b"]" * 200_000, "its manifest.json is not JSON"),     # RecursionError, not ValueError
+    (b'{"format": 1, "files": {}, "meta": {"pad": "' + b"x" * (17 << 20) + b'"}}', "its manifest.json is larger than"),
+])
+def test_a_manifest_too_deep_or_too_large_is_damaged(s3, tmp_path, capsys, body, problem):
+    old_checkpoint_in_s3(s3, tmp_path)
+    s3.put_object(Bucket=BUCKET, Key=f"{PREFIX}checkpoints/{NEW}/manifest.json", Body=body)
+    assert restore(s3, tmp_path / "out") == OLD
+    assert f"warning: {NEW} in S3 is damaged ({problem}" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("in_s3", [b"new weights, and then some more", b"new"])
 def test_an_object_of_another_size_than_its_manifest_says_is_damage_found_before_any_download(
         s3, tmp_path, capsys, monkeypatch, in_s3):

@@ -67,6 +67,7 @@ def test_a_checkpoint_file_name_is_a_plain_printable_ascii_name(name, ok):
     (manifest(), None),
     ([], "does not list files with size and sha256"),
     (manifest(files=[]), "does not list files with size and sha256"),
+    (manifest(files={}), "does not list files with size and sha256"),  # nothing to load
     (manifest(files={"model.pt": "abc"}), "does not list files with size and sha256"),
     (manifest(files={"model.pt": {"size": "7", "sha256": SHA}}), "does not list files with size and sha256"),
     (manifest(files={"model.pt": {"size": True, "sha256": SHA}}), "does not list files with size and sha256"),
