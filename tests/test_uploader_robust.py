@@ -117,6 +117,17 @@ def test_final_upload_after_a_nonzero_exit_writes_no_complete_without_progress_j
     assert status_in_s3(s3, prefix)["state"] == "failed"
 
 
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "nan"])
+def test_watcher_with_a_bad_retry_setting_says_so_in_one_line(s3, s3_endpoint, tmp_path, value):
+    env = {**uploader_env(tmp_path, s3_endpoint), "UPLOAD_RETRY_SECONDS": value}
+    result = subprocess.run([sys.executable, str(JOB / "uploader.py"), "watch", f"s3://{BUCKET}/runs/x/",
+                             str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=60)
+    output = result.stdout + result.stderr
+    assert result.returncode == 64, output
+    assert output.strip().count("\n") == 0 and "Traceback" not in output, output
+    assert f"UPLOAD_RETRY_SECONDS={value} must be a positive number of seconds" in output
+
+
 # -- through the real job.yaml ------------------------------------------------------------------------
 
 
