@@ -59,3 +59,53 @@ def test_a_restarted_uploader_carries_on_only_this_pods_open_attempt(saved, pod,
 ])
 def test_the_step_complete_stands_for(progress, newest_local, step):
     assert uploader.step_to_complete(progress, newest_local)[0] == step
+
+
+def test_a_failing_chore_backs_off_alone_and_the_others_run_every_round():
+    calls = {"checkpoints": 0, "status": 0}
+
+    def checkpoints():
+        calls["checkpoints"] += 1
+
+    def status():
+        calls["status"] += 1
+        raise ValueError("status.json is damaged")
+
+    chores = [uploader.Chore("checkpoints", checkpoints, 0.0), uploader.Chore("status.json", status, 0.0)]
+    for _ in range(3):
+        for chore in chores:
+            chore.run_if_due()
+    assert calls == {"checkpoints": 3, "status": 1}, "the failing one waits out its backoff; the other does not"
+    assert chores[1].backoff == 2.0 and chores[0].backoff == 0.0
+
+
+@pytest.mark.parametrize("failures, backoff", [(1, 2.0), (2, 4.0), (3, 8.0), (6, 60.0), (9, 60.0)])
+def test_a_chores_backoff_doubles_up_to_a_minute(failures, backoff):
+    chore = uploader.Chore("logs and events", lambda: 1 / 0, 0.0)
+    for _ in range(failures):
+        chore.due = 0.0  # as if its backoff had passed
+        chore.run_if_due()
+    assert chore.backoff == backoff
+
+
+def test_a_chore_that_succeeds_again_drops_its_backoff():
+    results = iter([OSError("reset"), OSError("reset"), None])
+
+    def flaky():
+        error = next(results)
+        if error:
+            raise error
+
+    chore = uploader.Chore("status.json", flaky, 5.0)
+    for _ in range(3):
+        chore.due = 0.0
+        chore.run_if_due()
+    assert chore.backoff == 0.0
+
+
+def test_a_lost_lease_is_not_a_chores_failure_it_stops_the_watcher():
+    def taken():
+        raise uploader.LeaseLost("another pod holds the lease")
+
+    with pytest.raises(uploader.LeaseLost):
+        uploader.Chore("checkpoints", taken, 0.0).run_if_due()
