@@ -204,6 +204,7 @@ class CommitCallback(TrainerCallback):
         self.best_step = 0
         self.writer = None
         self.last_log = None
+        self.last_beat = float("-inf")
 
     # signals
 
@@ -241,12 +242,23 @@ class CommitCallback(TrainerCallback):
             control.should_training_stop = True
         return control
 
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.beat()  # a long gradient-accumulation step is not a hung one
+        return control
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        self.beat()  # nor is a long evaluation
+        return control
+
     def on_save(self, args, state, control, **kwargs):
+        source = Path(args.output_dir) / f"{TRAINER_PREFIX}{state.global_step}"
+        final = self.root / checkpoint.step_dir_name(state.global_step)
+        if state.best_model_checkpoint and Path(state.best_model_checkpoint) == source:
+            state.best_model_checkpoint = str(final)  # load_best_model_at_end finds it there (until pruned)
         # Every rank wrote its part (rng_state_<rank>.pth) before rank 0 moves the folder.
         self.dist.barrier()
         if self.master:
             started = time.monotonic()
-            source = Path(args.output_dir) / f"{TRAINER_PREFIX}{state.global_step}"
             final = commit_trainer_save(source, self.root, state.global_step, self.meta(state), self.beat)
             checkpoint.prune(self.root, self.keep)
             size = sum(p.stat().st_size for p in final.iterdir()) / 1e6
@@ -308,8 +320,10 @@ class CommitCallback(TrainerCallback):
         self.best_step = meta.get("best_step") if isinstance(meta.get("best_step"), int) else 0
 
     def beat(self) -> None:
-        if self.health:
+        now = time.monotonic()
+        if self.health and now - self.last_beat >= 1.0:
             self.health.touch()
+            self.last_beat = now
 
     def meta(self, state) -> dict:
         return {"step": state.global_step, "max_steps": state.max_steps, "keep": self.keep,
