@@ -365,6 +365,10 @@ def check_resumable(folder: str | None, settings: Settings) -> None:
     if method and method != settings.model.method:
         raise ConfigError(f"checkpoint {Path(folder).name} was trained with model.method={method} but the config "
                           f"says {settings.model.method}; use the config it was trained with, or a new S3_OUTPUT_URI")
+    step = meta.get("step")
+    if isinstance(step, int) and step > settings.train.max_steps:
+        raise ConfigError(f"checkpoint {Path(folder).name} is past train.max_steps ({settings.train.max_steps}); "
+                          f"raise train.max_steps, or use a new S3_OUTPUT_URI")
 
 
 def run(settings: Settings, args: argparse.Namespace, world_size: int, texts: tuple) -> int:
@@ -372,6 +376,7 @@ def run(settings: Settings, args: argparse.Namespace, world_size: int, texts: tu
     import transformers
 
     transformers.logging.set_verbosity_warning()
+    transformers.utils.logging.disable_progress_bar()  # one line per log step is ours
     trainer = build(settings, args, world_size, texts)
     resume = hf_resume.attach(trainer, keep=settings.checkpoint.keep,
                               meta={"method": settings.model.method})
@@ -381,7 +386,7 @@ def run(settings: Settings, args: argparse.Namespace, world_size: int, texts: tu
         model = trainer.model
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
-        log(f"{settings.model.method} fine-tune of {args.model_dir}: {trainable / 1e6:.2f}M of {total / 1e6:.2f}M "
+        log(f"{settings.model.method} fine-tune of {args.model_dir}: {trainable:,} of {total:,} "
             f"parameters trained, {world_size} process(es), steps to {settings.train.max_steps}")
     trainer.train(resume_from_checkpoint=folder)
     code = resume.exit_code()
