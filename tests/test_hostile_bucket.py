@@ -17,12 +17,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 import checkpoint
 import restore as restorelib
 import s3 as s3lib
 from helpers import train_command, train_env, write_config, write_corpus
-from podlab import BUCKET, ROOT
+from podlab import BUCKET, JOB_YAML, ROOT
 
 PREFIX = "hostile/"
 OLD, NEW = "step-00000005", "step-00000010"
@@ -247,3 +248,25 @@ def test_a_signed_run_skips_a_forged_checkpoint_and_never_shows_its_key(run):
         assert KEY not in output, "printed"
     assert KEY.encode() not in uploaded, "uploaded"
     assert any(k.startswith("logs/") for k in run.keys()), "the scan covered the pods' logs"
+
+
+@root_only
+@pytest.mark.slow
+def test_a_checkpoint_larger_than_the_workspace_fails_the_pod_with_64(run, tmp_path):
+    job = yaml.safe_load(JOB_YAML.read_text())
+    for volume in job["spec"]["template"]["spec"]["volumes"]:
+        if volume["name"] == "home":  # code and data fit, a 3 MB checkpoint does not
+            volume["emptyDir"] = {"medium": "Memory", "sizeLimit": "1Mi"}
+    small = tmp_path / "job-small-disk.yaml"
+    small.write_text(yaml.safe_dump(job))
+    big = make_checkpoint(tmp_path / "made" / NEW, {"model.pt": os.urandom(3 << 20)}, 10)
+    upload(run.s3, big, NEW, prefix=run.prefix)
+    before = run.keys()
+    pod = run.start(small)
+    assert pod.wait(timeout=300) == 64, pod.output[-3000:]
+    errors = [line for line in pod.lines if re.search(r"\berror: ", line)]
+    assert len(errors) == 1, errors
+    assert re.search(rf"restore: error: checkpoint {NEW} needs 3\.1 MB, \d\.\d MB free in "
+                     r"/home/eai_role/\S+; give the workspace volume more room", errors[0]), errors[0]
+    after = run.keys()
+    assert all(after.get(key) == etag for key, etag in before.items()), "nothing in S3 changed"
