@@ -96,12 +96,14 @@ def kill_and_restart_until_done(cmd: list[str], seed: int, kills: int) -> list[s
     """SIGKILL the run when a randomly chosen step is logged (plus a few random ms, so kills land
     inside steps, evaluations and saves), start it again, until it finishes."""
     rng = random.Random(seed)
-    outputs = []
+    outputs, killed = [], 0
     for _ in range(kills):
-        step = rng.randint(2, MAX_STEPS - 2)
-        code, output = run_until(cmd, stop_when=f"step {step}/{MAX_STEPS}", delay=rng.uniform(0, 0.1))
+        step = rng.randint(2, MAX_STEPS - 4)
+        code, output = run_until(cmd, stop_when=f"step {step}/{MAX_STEPS}", delay=rng.uniform(0, 0.03))
         outputs.append(output)
         assert code in (-signal.SIGKILL, 0), output
+        killed += code == -signal.SIGKILL
+    assert killed, "no kill landed before the run finished"
     code, output = run_until(cmd)
     outputs.append(output)
     assert code == 0, output
@@ -274,9 +276,10 @@ def test_a_plain_trainer_script_with_the_four_lines_resumes_exactly(tmp_path, la
     code, output = run_until(cmd(tmp_path / "reference"), env=env)
     assert code == 0, output
     out = tmp_path / "out"
-    code, output = run_until(cmd(out), stop_when=f"step 12/{MAX_STEPS}", send=signal.SIGTERM, env=env)
+    code, output = run_until(cmd(out), stop_when=f"step 8/{MAX_STEPS}", send=signal.SIGTERM, env=env)
     assert code == 143, output
-    code, output = run_until(cmd(out), stop_when=f"step 17/{MAX_STEPS}", delay=0.05, env=env)
+    stopped_at = int(re.search(r"SIGTERM: step (\d+) finished", output).group(1))
+    code, output = run_until(cmd(out), stop_when=f"step {stopped_at + 2}/{MAX_STEPS}", env=env)
     assert code == -signal.SIGKILL, output
     code, output = run_until(cmd(out), env=env)
     assert code == 0 and "resuming from step-" in output, output
