@@ -17,7 +17,6 @@ Exit 0 (restored, or nothing to restore), 64 (bad input), 75 (S3 unreachable).
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import threading
@@ -31,11 +30,6 @@ import checkpoint  # the runtime's own copy of the protocol, never the user's up
 import s3 as s3lib
 from s3 import Location, log
 
-# A manifest takes ~150 bytes a file: this is room for tens of thousands of files, and a bound on
-# what a hostile one can make the pod read into memory.
-MAX_MANIFEST_BYTES = 16 << 20
-
-
 def newest_first(names: list[str]) -> list[str]:
     steps = [(checkpoint.parse_step(n), n) for n in names]
     return [n for _, n in sorted(((s, n) for s, n in steps if s is not None), reverse=True)]
@@ -47,11 +41,15 @@ def restore(s3, run: Location, out: Path) -> str | None:
     remote = run.child("checkpoints")
     local_root = out / "checkpoints"
     for name in newest_first(s3lib.list_prefixes(s3, remote, retry)):
-        body = retry(fetch_manifest, s3, remote.child(name))
-        if body is None:
-            log("restore", f"{name} in S3 has no manifest.json: never committed, ignored")
-            continue
-        manifest, problem = parse_manifest(body)
+        try:
+            manifest, _ = s3lib.get_json(s3, remote, remote.key(name, checkpoint.MANIFEST), retry)
+        except ValueError as damage:
+            manifest, problem = {}, str(damage)
+        else:
+            if manifest is None:
+                log("restore", f"{name} in S3 has no manifest.json: never committed, ignored")
+                continue
+            problem = checkpoint.manifest_problem(manifest)
         if problem:
             log("restore", f"warning: {name} in S3 is damaged ({problem}); trying the one before it")
             continue
@@ -64,30 +62,6 @@ def restore(s3, run: Location, out: Path) -> str | None:
         log("restore", f"warning: {name} in S3 is damaged ({problem}); trying the one before it")
     log("restore", f"no committed checkpoint in {remote}: the trainer starts from step 0")
     return None
-
-
-def fetch_manifest(s3, where: Location) -> bytes | None:
-    """A checkpoint's manifest.json, None when absent; never more than MAX_MANIFEST_BYTES + 1."""
-    try:
-        answer = s3.get_object(Bucket=where.bucket, Key=where.key(checkpoint.MANIFEST))
-    except botocore.exceptions.ClientError as err:
-        if s3lib.not_found(err):
-            return None
-        raise
-    with answer["Body"] as body:
-        return body.read(MAX_MANIFEST_BYTES + 1)
-
-
-def parse_manifest(body: bytes) -> tuple[dict | None, str | None]:
-    """(manifest, None) when it counts, else (None, why not)."""
-    if len(body) > MAX_MANIFEST_BYTES:
-        return None, f"its manifest.json is larger than {MAX_MANIFEST_BYTES >> 20} MiB"
-    try:
-        manifest = json.loads(body)
-    except (ValueError, RecursionError):  # RecursionError: nesting deeper than any manifest has
-        return None, "its manifest.json is not JSON"
-    problem = checkpoint.manifest_problem(manifest)
-    return (None, problem) if problem else (manifest, None)
 
 
 def download(s3, where: Location, manifest: dict, final: Path, retry) -> str | None:

@@ -175,8 +175,14 @@ def not_found(err: BaseException) -> bool:
     return error_code(err) in ("404", "NoSuchKey", "NotFound")
 
 
+# JSON the runtime reads from S3 (manifests, status.json): ~150 bytes a checkpoint file, so room for
+# tens of thousands, and a bound on what a hostile object can make the pod read into memory.
+MAX_JSON_BYTES = 16 << 20
+
+
 def get_json(s3, where: Location, key: str, retry) -> tuple[dict | None, str | None]:
-    """(object parsed, its ETag) or (None, None) when absent."""
+    """(object parsed, its ETag) or (None, None) when absent. ValueError, saying why, when it is
+    larger than MAX_JSON_BYTES or not JSON: anyone who may write the bucket may have put it there."""
     def fetch():
         try:
             answer = s3.get_object(Bucket=where.bucket, Key=key)
@@ -184,9 +190,20 @@ def get_json(s3, where: Location, key: str, retry) -> tuple[dict | None, str | N
             if not_found(err):
                 return None, None
             raise
-        return json.loads(answer["Body"].read()), answer["ETag"]
+        with answer["Body"] as body:
+            return body.read(MAX_JSON_BYTES + 1), answer["ETag"]
 
-    return retry(fetch)
+    body, etag = retry(fetch)
+    return (None, None) if body is None else (parse_json(body, key.rsplit("/", 1)[-1]), etag)
+
+
+def parse_json(body: bytes, name: str):
+    if len(body) > MAX_JSON_BYTES:
+        raise ValueError(f"its {name} is larger than {MAX_JSON_BYTES >> 20} MiB")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
+        raise ValueError(f"its {name} is not JSON") from None
 
 
 def put_json(s3, where: Location, key: str, value: dict, retry) -> None:

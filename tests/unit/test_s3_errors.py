@@ -94,3 +94,17 @@ def test_locations_normalise_their_prefix(uri, bucket, prefix):
 def test_a_location_that_is_not_an_s3_uri_is_bad_input(uri):
     with pytest.raises(s3.BadInput, match="is not an s3://bucket/prefix/ URI"):
         s3.Location.parse(uri)
+
+
+@pytest.mark.parametrize("body,problem", [
+    (b"{" * 100_000 + b"}" * 100_000, "its manifest.json is not JSON"),  # deeper than the parser goes
+    (b"not json", "its manifest.json is not JSON"),
+    (b" " * (s3.MAX_JSON_BYTES + 1), "its manifest.json is larger than 16 MiB"),
+])
+def test_json_from_s3_that_is_too_big_or_not_json_is_damage_not_a_crash(body, problem):
+    with pytest.raises(ValueError, match=problem):
+        s3.parse_json(body, "manifest.json")
+
+
+def test_json_from_s3_parses():
+    assert s3.parse_json(b'{"files": {}}', "manifest.json") == {"files": {}}
