@@ -1,0 +1,212 @@
+"""scripts/submit.py without a cluster or kubectl: bad flags stop with exit 64 and one line, and each
+engine's manifests are job.yaml's pod template with only what the engine needs changed."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import yaml
+
+import submit
+from podlab import ROOT
+
+JOB = yaml.safe_load((ROOT / "job.yaml").read_text())
+JOB_POD = JOB["spec"]["template"]["spec"]
+JOB_ENV = {e["name"]: e["value"] for e in JOB_POD["containers"][0]["env"]}
+GOOD = ["run-a", "--image", "registry/gpt:1", "--code", "s3://bkt/gpt/code/", "--data", "s3://bkt/gpt/data/",
+        "--output", "s3://bkt/gpt/runs/a/"]
+
+
+def args(*extra: str):
+    return submit.parse_args([*GOOD, *extra])
+
+
+def differences(a, b, path: str = "") -> set[str]:
+    """Paths where a and b differ; lists of named items (env, containers, volumes) compare by name."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {d for key in a.keys() | b.keys() for d in differences(a.get(key), b.get(key), f"{path}.{key}")}
+    if isinstance(a, list) and isinstance(b, list) and all(isinstance(x, dict) and "name" in x for x in a + b):
+        return differences({x["name"]: x for x in a}, {x["name"]: x for x in b}, path)
+    return set() if a == b else {path}
+
+
+BAD_FLAGS = [
+    # (flags replacing or added to GOOD, what the one line must say)
+    (["Run_A"], "run name 'Run_A' must be lowercase letters"),
+    (["a" * 41], "at most 40 characters"),
+    (["--nodes", "two"], "argument --nodes: invalid int value: 'two'; see submit.py --help"),
+    (["--nodes", "0"], "--nodes 0 must be at least 1"),
+    (["--nodes", "2"], "--engine job runs one pod, not --nodes 2; use --engine indexed, jobset or pytorchjob"),
+    (["--engine", "mpi"], "argument --engine: invalid choice: 'mpi'"),
+    (["--gpus-per-node", "0"], "--gpus-per-node 0 must be at least 1"),
+    (["--code", "https://bkt/code/"], "--code 'https://bkt/code/' is not an s3://bucket/prefix/ URI; e.g. --code s3://"),
+    (["--output", "s3://bkt/gpt/code/run/"], "--output s3://bkt/gpt/code/run/ and --code s3://bkt/gpt/code/ overlap; give --output its own prefix"),
+    (["--output", "s3://bkt/gpt/"], "--output s3://bkt/gpt/ and --code s3://bkt/gpt/code/ overlap"),
+    (["--train-config", "/etc/conf.yaml"], "--train-config '/etc/conf.yaml' must be a path relative to the code, e.g. --train-config config/conf.yaml"),
+    (["--train-script", "../x.py"], "--train-script '../x.py' must be a path relative to the code, e.g. --train-script train.py"),
+    (["--image", "two words"], "--image 'two words' is not an image reference"),
+    (["--apply", "--dry-run"], "not allowed with argument"),
+]
+
+
+def replaced(flags: list[str]) -> list[str]:
+    argv = list(GOOD)
+    if flags and not flags[0].startswith("--"):
+        argv[0], flags = flags[0], flags[1:]
+    for i in range(0, len(flags) - 1, 2):
+        if flags[i] in argv[1:]:
+            argv[argv.index(flags[i], 1) + 1] = flags[i + 1]
+        else:
+            argv += flags[i:i + 2]
+    return argv + (flags[-1:] if len(flags) % 2 else [])
+
+
+@pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_a_bad_flag_exits_64_with_one_line(flags, message, capsys):
+    assert submit.main(replaced(flags)) == 64
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("submit.py: error: "), err
+    assert message in err
+
+
+def test_a_missing_flag_names_it():
+    with pytest.raises(submit.BadInput, match="required: --output; see submit.py --help"):
+        submit.parse_args(GOOD[:-2])
+
+
+def test_printing_is_the_default_and_apply_must_be_asked_for():
+    # A store_false --dry-run first in the group made "apply" the default: caught by this test.
+    assert args().apply is False and args("--dry-run").apply is False and args("--apply").apply is True
+
+
+def test_the_default_job_is_job_yaml_itself():
+    values = ["gpt-train", "--image", JOB_POD["containers"][0]["image"], "--code", JOB_ENV["S3_CODE_URI"],
+              "--data", JOB_ENV["S3_DATA_URI"], "--output", JOB_ENV["S3_OUTPUT_URI"]]
+    assert submit.render(submit.parse_args(values)) == [JOB]
+    explicit = submit.parse_args([*values, "--engine", "job", "--nodes", "1", "--gpus-per-node", "4",
+                                  "--train-config", JOB_ENV["TRAIN_CONFIG"]])
+    assert submit.render(explicit) == [JOB]
+
+
+def test_the_job_differs_from_job_yaml_only_where_the_flags_say():
+    [job] = submit.render(args("--gpus-per-node", "8", "--train-config", "config/big.yaml", "--train-script", "ft.py"))
+    pod = ".spec.template.spec.containers.trainer"
+    assert differences(job, JOB) == {
+        ".metadata.name", ".metadata.labels.app.kubernetes.io/name", ".spec.template.metadata.labels.app.kubernetes.io/name",
+        f"{pod}.image", f"{pod}.env.S3_CODE_URI.value", f"{pod}.env.S3_DATA_URI.value", f"{pod}.env.S3_OUTPUT_URI.value",
+        f"{pod}.env.TRAIN_CONFIG.value", f"{pod}.env.TRAIN_SCRIPT", f"{pod}.resources.requests.nvidia.com/gpu",
+        f"{pod}.resources.limits.nvidia.com/gpu"}
+    env = {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TRAIN_SCRIPT"] == "ft.py" and env["S3_OUTPUT_URI"] == "s3://bkt/gpt/runs/a/"
+
+
+def workload(engine: str, nodes: int = 3) -> tuple[list[dict], dict, dict]:
+    """(documents, the workload's pod template, what replaces job.yaml's Job spec)."""
+    docs = submit.render(args("--engine", engine, "--nodes", str(nodes)))
+    work = docs[-1]
+    if engine in ("job", "indexed"):
+        return docs, work["spec"]["template"], work["spec"]
+    if engine == "jobset":
+        child = work["spec"]["replicatedJobs"][0]["template"]["spec"]
+        return docs, child["template"], child
+    return docs, work["spec"]["pytorchReplicaSpecs"]["Master"]["template"], work["spec"]
+
+
+GROUP_ENV = {"NNODES": "3", "NPROC_PER_NODE": "4"}
+ENGINES = [
+    # engine, kinds, RDZV_ENDPOINT, container name, subdomain
+    ("indexed", ["Service", "Job"], "run-a-0.run-a:29400", "trainer", "run-a"),
+    ("jobset", ["JobSet"], "run-a-node-0-0.run-a:29400", "trainer", None),
+    ("pytorchjob", ["PyTorchJob"], None, "pytorch", None),
+]
+
+
+@pytest.mark.parametrize("engine, kinds, endpoint, container, subdomain", ENGINES, ids=[e[0] for e in ENGINES])
+def test_each_engine_changes_only_what_it_needs_in_job_yamls_pod(engine, kinds, endpoint, container, subdomain):
+    docs, template, _ = workload(engine)
+    assert [d["kind"] for d in docs] == kinds
+    pod = template["spec"]
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    assert {k: env.get(k) for k in (*GROUP_ENV, "RDZV_ENDPOINT")} == {**GROUP_ENV, "RDZV_ENDPOINT": endpoint}
+    assert pod["containers"][0]["name"] == container and pod.get("subdomain") == subdomain
+    normalized = copy.deepcopy(template)
+    normalized["spec"]["containers"][0]["name"] = "trainer"
+    if engine == "pytorchjob":
+        del normalized["spec"]["containers"][0]["ports"]
+    c = ".spec.containers.trainer"
+    expected = {".metadata.labels.app.kubernetes.io/name", f"{c}.image", f"{c}.env.S3_CODE_URI.value",
+                f"{c}.env.S3_DATA_URI.value", f"{c}.env.S3_OUTPUT_URI.value", f"{c}.env.NNODES", f"{c}.env.NPROC_PER_NODE"}
+    expected |= ({f"{c}.env.RDZV_ENDPOINT"} if endpoint else set()) | ({".spec.subdomain"} if subdomain else set())
+    assert differences(normalized, JOB["spec"]["template"]) == expected
+
+
+def test_indexed_job_runs_the_group_as_one_job_with_a_headless_service():
+    [service, job], _, spec = workload("indexed")
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
+    assert spec["backoffLimit"] == JOB["spec"]["backoffLimit"] and spec["podReplacementPolicy"] == "Failed"
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[:2] == JOB["spec"]["podFailurePolicy"]["rules"], "preemption ignored, 64 fails the Job, as job.yaml"
+    assert rules[2] == {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [138]}}
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["metadata"]["name"] == job["spec"]["template"]["spec"]["subdomain"] == "run-a"
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+
+
+def test_jobset_fails_the_child_job_on_any_failure_and_decides_by_its_message():
+    [jobset], _, child = workload("jobset")
+    spec = jobset["spec"]
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    assert spec["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
+    assert (child["completionMode"], child["completions"], child["parallelism"], child["backoffLimit"]) == ("Indexed", 3, 3, 0)
+    assert child["podFailurePolicy"]["rules"] == [
+        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [64]}}]
+    policy = spec["failurePolicy"]
+    assert policy["maxRestarts"] == JOB["spec"]["backoffLimit"]
+    # The Job controller's messages (pkg/controller/job/pod_failure_policy.go) must match the patterns.
+    bad = "Container trainer for pod ns/run-a-node-0-1-x7k2p failed with exit code 64 matching FailJob rule at index 1"
+    preempted = "Pod ns/run-a-node-0-0-abcde has condition DisruptionTarget matching FailJob rule at index 0"
+    crashed = "Job has reached the specified backoff limit"
+    decide = [next((r["action"] for r in policy["rules"] if any(re.search(p, m) for p in r["onJobFailureMessagePatterns"])),
+                   "RestartJobSet") for m in (bad, preempted, crashed)]
+    assert decide == ["FailJobSet", "RestartJobSetAndIgnoreMaxRestarts", "RestartJobSet"]
+    assert spec["ttlSecondsAfterFinished"] == JOB["spec"]["ttlSecondsAfterFinished"] and "ttlSecondsAfterFinished" not in child
+
+
+@pytest.mark.parametrize("nodes, workers", [(1, None), (2, 1), (8, 7)])
+def test_pytorchjob_has_one_master_and_the_rest_workers(nodes, workers):
+    [job], template, spec = workload("pytorchjob", nodes)
+    replicas = spec["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1 and (replicas.get("Worker") or {}).get("replicas") == workers
+    assert {r["restartPolicy"] for r in replicas.values()} == {"ExitCode"}
+    assert spec["nprocPerNode"] == "4" and spec["runPolicy"]["backoffLimit"] == JOB["spec"]["backoffLimit"]
+    assert template["spec"]["containers"][0]["ports"] == [{"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"}]
+
+
+@pytest.mark.parametrize("engine", ["job", "indexed", "jobset", "pytorchjob"])
+def test_a_change_to_job_yaml_reaches_every_engine(engine):
+    job = copy.deepcopy(JOB)
+    job["spec"]["template"]["spec"]["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    job["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "NEW_SETTING", "value": "1"})
+    nodes = "1" if engine == "job" else "2"
+    docs = submit.render(submit.parse_args([*GOOD, "--engine", engine, "--nodes", nodes]), job)
+    text = yaml.safe_dump_all(docs)
+    assert "NoSchedule" in text and "NEW_SETTING" in text
+
+
+def test_gpus_per_node_sets_requests_limits_and_processes():
+    _, template, spec = workload("pytorchjob", 2)
+    assert template["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    docs = submit.render(args("--engine", "indexed", "--nodes", "2", "--gpus-per-node", "8"))
+    container = docs[-1]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert {"name": "NPROC_PER_NODE", "value": "8"} in container["env"]
+
+
+def test_an_unreadable_job_yaml_is_bad_input(tmp_path):
+    (tmp_path / "job.yaml").write_text("kind: Job\nspec: [not, a, job]\n")
+    with pytest.raises(submit.BadInput, match="is not a readable Job manifest .* restore it from git"):
+        submit.load_job(tmp_path / "job.yaml")
