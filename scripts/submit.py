@@ -367,7 +367,8 @@ def kubectl() -> str:
 
 def render_configmap(job_dir: Path = JOB_DIR) -> dict:
     result = subprocess.run([kubectl(), "create", "configmap", CONFIGMAP, f"--from-file={job_dir}",
-                             "--dry-run=client", "-o", "yaml"], capture_output=True, text=True)
+                             "--dry-run=client", "-o", "yaml"], capture_output=True, text=True,
+                            stdin=subprocess.DEVNULL)  # a kubeconfig without credentials would prompt
     if result.returncode != 0:
         raise BadInput(f"kubectl could not make the ConfigMap from {job_dir}: {last_line(result.stderr)}")
     configmap = yaml.safe_load(result.stdout)

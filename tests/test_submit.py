@@ -1,0 +1,260 @@
+"""What scripts/submit.py prints, against what a cluster would check, as far as that exists here:
+
+- Job, Service, ConfigMap (and the JobSet's child Job, the PyTorchJob's pod templates, wrapped as a
+  batch/v1 Job and a v1 PodTemplate): `kubernetes-validate --strict`, every bundled version >= 1.29.
+- JobSet: the CRD's openAPIV3Schema (tests/schemas/, JobSet v0.10.0 and v0.12.0) with jsonschema,
+  made strict (additionalProperties: false wherever the schema lists properties). A cluster prunes
+  unknown fields of a structural schema silently; here they are errors. CEL rules and the JobSet
+  webhook are not run.
+- PyTorchJob: the Kubeflow training SDK's models (kubeflow-training): deserialized and serialized
+  back; any field that does not survive is unknown to the SDK.
+- The CLI: the ConfigMap is kubectl's own rendering of job/, --apply pipes exactly the printed stream
+  to `kubectl apply -f -`, and a failed apply exits 64 (the CRD is missing) or 75 (no cluster).
+
+No root and no S3; apart from kubectl and kubernetes-validate everything runs in this process.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from podlab import ROOT, VENV_BIN
+
+SUBMIT = ROOT / "scripts" / "submit.py"
+SCHEMAS = ROOT / "tests" / "schemas"
+RUN = ["run-a", "--image", "registry/gpt:1", "--code", "s3://bkt/gpt/code/", "--data", "s3://bkt/gpt/data/",
+       "--output", "s3://bkt/gpt/runs/a/"]
+CASES = {"job": ["--engine", "job"], "indexed": ["--engine", "indexed", "--nodes", "3"],
+         "jobset": ["--engine", "jobset", "--nodes", "3"], "pytorchjob": ["--engine", "pytorchjob", "--nodes", "3"],
+         "pytorchjob-1": ["--engine", "pytorchjob", "--nodes", "1", "--gpus-per-node", "8"]}
+BUILT_IN = {"ConfigMap", "Service", "Job", "PodTemplate"}
+
+
+def submit(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", **(env or {})}
+    return subprocess.run([sys.executable, str(SUBMIT), *argv], capture_output=True, text=True, env=full, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def streams() -> dict[str, list[dict]]:
+    rendered = {}
+    for case, flags in CASES.items():
+        result = submit(*RUN, *flags)
+        assert result.returncode == 0, result.stderr
+        rendered[case] = list(yaml.safe_load_all(result.stdout))
+    return rendered
+
+
+def built_in_parts(docs: list[dict]) -> list[dict]:
+    """The documents kubernetes-validate knows, and the built-in objects inside custom ones."""
+    parts = []
+    for doc in docs:
+        if doc["kind"] == "JobSet":
+            for replicated in doc["spec"]["replicatedJobs"]:
+                parts.append({"apiVersion": "batch/v1", "kind": "Job", **replicated["template"],
+                              "metadata": {"name": f"{doc['metadata']['name']}-{replicated['name']}-0",
+                                           **replicated["template"].get("metadata", {})}})
+        elif doc["kind"] == "PyTorchJob":
+            for rtype, replica in doc["spec"]["pytorchReplicaSpecs"].items():
+                parts.append({"apiVersion": "v1", "kind": "PodTemplate",
+                              "metadata": {"name": f"{doc['metadata']['name']}-{rtype.lower()}"},
+                              "template": replica["template"]})
+        else:
+            parts.append(doc)
+    return parts
+
+
+def test_every_engine_renders_its_kinds(streams):
+    kinds = {case: [d["kind"] for d in docs] for case, docs in streams.items()}
+    assert kinds == {"job": ["ConfigMap", "Job"], "indexed": ["ConfigMap", "Service", "Job"],
+                     "jobset": ["ConfigMap", "JobSet"], "pytorchjob": ["ConfigMap", "PyTorchJob"],
+                     "pytorchjob-1": ["ConfigMap", "PyTorchJob"]}
+    assert all(d["kind"] in BUILT_IN for docs in streams.values() for d in built_in_parts(docs))
+
+
+def kubernetes_versions() -> list[str]:
+    from test_job_files import VERSIONS
+
+    return VERSIONS
+
+
+@pytest.mark.parametrize("version", kubernetes_versions())
+def test_built_in_objects_pass_kubernetes_validate_strict(version, streams, tmp_path):
+    files = []
+    for case, docs in streams.items():
+        for i, part in enumerate(built_in_parts(docs)):
+            files.append(tmp_path / f"{case}-{i}-{part['kind']}.yaml")
+            files[-1].write_text(yaml.safe_dump(part))
+    result = subprocess.run([str(VENV_BIN / "kubernetes-validate"), "--strict", "-k", version, *map(str, files)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    passed = [line for line in result.stdout.splitlines() if " passed for resource " in line]
+    assert len(passed) == len(files) == 12, result.stdout + result.stderr
+
+
+def test_kubernetes_validate_strict_would_catch_a_misplaced_field(streams, tmp_path):
+    job = copy.deepcopy(streams["indexed"][-1])
+    job["spec"]["template"]["spec"]["containers"][0]["podFailurePolicy"] = {"rules": []}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    result = subprocess.run([str(VENV_BIN / "kubernetes-validate"), "--strict", str(path)], capture_output=True, text=True)
+    assert result.returncode != 0 and "podFailurePolicy" in result.stdout + result.stderr
+
+
+# -- JobSet: its CRD's schema ------------------------------------------------------------------------
+
+def strict(schema):
+    """The CRD's schema with every listed-properties object closed, as a pruning API server is not."""
+    if isinstance(schema, list):
+        return [strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: strict(value) for key, value in schema.items()}
+    if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        closed.setdefault("additionalProperties", False)
+    return closed
+
+
+JOBSET_SCHEMAS = sorted(SCHEMAS.glob("jobset-*.json"))
+
+
+def jobset_errors(doc: dict, schema_file: Path) -> list[str]:
+    import jsonschema
+
+    vendored = json.loads(schema_file.read_text())
+    validator = jsonschema.Draft7Validator(strict(vendored["openAPIV3Schema"]))
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def test_the_vendored_jobset_schemas_name_their_source():
+    assert [p.name for p in JOBSET_SCHEMAS] == ["jobset-v0.10.0.json", "jobset-v0.12.0.json"]
+    for path in JOBSET_SCHEMAS:
+        vendored = json.loads(path.read_text())
+        assert len(vendored["commit"]) == 40 and vendored["commit"] in vendored["source"]
+        assert "onJobFailureMessagePatterns" in json.dumps(vendored["openAPIV3Schema"]), "the rules need >= v0.10.0"
+
+
+@pytest.mark.parametrize("schema_file", JOBSET_SCHEMAS, ids=lambda p: p.stem)
+def test_jobset_passes_its_crd_schema_strictly(schema_file, streams):
+    [jobset] = [d for d in streams["jobset"] if d["kind"] == "JobSet"]
+    assert jobset_errors(jobset, schema_file) == []
+
+
+BROKEN_JOBSETS = [
+    # (where, change, what the error names)
+    ("an unknown field deep in the pod", lambda s: s["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+     ["containers"][0].update(gpus=4), "'gpus' was unexpected"),
+    ("a misspelt rule field", lambda s: s["failurePolicy"]["rules"][0].update(onJobFailureMessages=["x"]),
+     "'onJobFailureMessages' was unexpected"),
+    ("an action JobSet does not have", lambda s: s["failurePolicy"]["rules"][1].update(action="Restart"),
+     "'Restart' is not one of"),
+    ("a rule without a name", lambda s: s["failurePolicy"]["rules"][0].pop("name"), "'name' is a required property"),
+]
+
+
+@pytest.mark.parametrize("where, change, message", BROKEN_JOBSETS, ids=[b[0] for b in BROKEN_JOBSETS])
+def test_the_strict_jobset_check_rejects(where, change, message, streams):
+    jobset = copy.deepcopy(streams["jobset"][-1])
+    change(jobset["spec"])
+    for schema_file in JOBSET_SCHEMAS:
+        errors = jobset_errors(jobset, schema_file)
+        assert any(message in e for e in errors), errors
+
+
+# -- PyTorchJob: the Kubeflow training SDK's models -------------------------------------------------
+
+def lost_in_sdk(doc: dict) -> list[str]:
+    """Paths of what KubeflowOrgV1PyTorchJob does not carry back: unknown, misplaced or mistyped."""
+    from kubeflow.training.api_client import ApiClient
+
+    class Response:
+        data = json.dumps(doc)
+
+    client = ApiClient()
+    back = client.sanitize_for_serialization(client.deserialize(Response(), "KubeflowOrgV1PyTorchJob"))
+    return differences(doc, back)
+
+
+def differences(a, b, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for key in sorted(a.keys() | b.keys()) for d in differences(a.get(key), b.get(key), f"{path}.{key}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [path]
+
+
+@pytest.mark.parametrize("case", ["pytorchjob", "pytorchjob-1"])
+def test_pytorchjob_survives_the_kubeflow_sdk_whole(case, streams):
+    [job] = [d for d in streams[case] if d["kind"] == "PyTorchJob"]
+    assert lost_in_sdk(job) == []
+
+
+def test_the_sdk_check_reports_unknown_and_mistyped_fields(streams):
+    job = copy.deepcopy(streams["pytorchjob"][-1])
+    job["spec"]["runPolicy"]["backofLimit"] = 3
+    job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = "2"
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["gpus"] = 4
+    assert lost_in_sdk(job) == [".spec.pytorchReplicaSpecs.Master.template.spec.containers[0].gpus",
+                                ".spec.pytorchReplicaSpecs.Worker.replicas", ".spec.runPolicy.backofLimit"]
+    del job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["name"]
+    with pytest.raises(ValueError, match="`name`, must not be `None`"):
+        lost_in_sdk(job)
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+def test_the_configmap_is_kubectls_rendering_of_job(streams):
+    result = subprocess.run([str(VENV_BIN / "kubectl"), "create", "configmap", "script-configmap",
+                             f"--from-file={ROOT / 'job'}", "--dry-run=client", "-o", "yaml"],
+                            capture_output=True, text=True, check=True)
+    expected = yaml.safe_load(result.stdout)
+    expected["metadata"].pop("creationTimestamp", None)
+    for docs in streams.values():
+        assert docs[0] == expected
+    assert expected["data"]["script.sh"] == (ROOT / "job" / "script.sh").read_text()
+
+
+def fake_kubectl(tmp_path: Path, apply_says: str = "", apply_exit: int = 0) -> tuple[dict, Path]:
+    """A kubectl whose `apply` records its stdin (there is no cluster here); the rest is the real one."""
+    bin_dir, record = tmp_path / "bin", tmp_path / "applied.yaml"
+    bin_dir.mkdir()
+    script = bin_dir / "kubectl"
+    script.write_text(f"#!/bin/sh\nif [ \"$1\" = apply ]; then cat > '{record}'; echo '{apply_says}' >&2; "
+                      f"exit {apply_exit}; fi\nexec '{VENV_BIN / 'kubectl'}' \"$@\"\n")
+    script.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{VENV_BIN}:/usr/bin:/bin"}, record
+
+
+def test_apply_pipes_exactly_the_printed_stream(tmp_path):
+    env, record = fake_kubectl(tmp_path)
+    printed = submit(*RUN, *CASES["jobset"], env=env)
+    applied = submit(*RUN, *CASES["jobset"], "--apply", env=env)
+    assert printed.returncode == applied.returncode == 0, printed.stderr + applied.stderr
+    assert record.read_text() == printed.stdout and "kind: JobSet" in printed.stdout
+
+
+def test_apply_without_the_engines_crd_is_bad_input(tmp_path):
+    env, _ = fake_kubectl(tmp_path, 'error: resource mapping not found for name: "run-a" namespace: "" from "STDIN": '
+                                    'no matches for kind "JobSet" in version "jobset.x-k8s.io/v1alpha2"', 1)
+    result = submit(*RUN, *CASES["jobset"], "--apply", env=env)
+    assert result.returncode == 64
+    assert len(result.stderr.splitlines()) == 1 and "install its controller or pick another --engine" in result.stderr
+
+
+def test_apply_without_a_reachable_cluster_exits_75(tmp_path):
+    config = tmp_path / "kubeconfig"
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:9"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}], "users": [{"name": "u", "user": {"token": "not-a-secret"}}]}))
+    result = submit(*RUN, "--apply", env={"KUBECONFIG": str(config)})
+    assert result.returncode == 75, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "check the cluster access and run again" in result.stderr
