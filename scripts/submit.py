@@ -37,10 +37,13 @@ Engines, and what restarts the group of N pods when one of them goes:
                 name "pytorch" (renamed from job.yaml's "trainer") and injects MASTER_ADDR,
                 MASTER_PORT (its port "pytorchjob-port", 23456), WORLD_SIZE, RANK, PET_NODE_RANK,
                 PET_NNODES. ExitCode recreates a pod that exits 130, 137, 143 (signals: preemption,
-                deletion) or 138; every other code, 64 included, fails the PyTorchJob at once. Not
-                expressible there: a counted retry of a crash (backoffLimit counts only OnFailure
-                and Always restarts, and OnFailure would retry exit 64 too) and "the others exit
-                too": the operator restarts only the pod that failed; the peers' own exit 138 does it.
+                deletion) or 138, without limit; every other code, 64 included, fails the PyTorchJob
+                at once. Not expressible there: a counted retry of a crash or of 75 (runPolicy's
+                backoffLimit counts only OnFailure and Always restarts, so it is left out, and
+                OnFailure would retry exit 64 too): a crash or an S3 outage past S3_RETRY_SECONDS
+                ends the run (resubmit it; it resumes from S3) unless the runtime exits 138 for
+                them. Nor "the others exit too": the operator recreates only the pod that
+                failed; the peers' own exit 138 restarts them.
 
 The runtime contract: what job/script.sh reads in a pod of N > 1 (the multi-node side of script.sh
 is coming; today it runs torchrun --standalone):
@@ -339,7 +342,8 @@ def render_pytorchjob(job: dict, args: argparse.Namespace) -> list[dict]:
     replicas = {"Master": replica}
     if args.nodes > 1:
         replicas["Worker"] = {**copy.deepcopy(replica), "replicas": args.nodes - 1}
-    run_policy = {"backoffLimit": job["spec"]["backoffLimit"]}
+    # No backoffLimit: the operator counts only OnFailure/Always restarts (and warns on every sync).
+    run_policy = {}
     if "ttlSecondsAfterFinished" in job["spec"]:
         run_policy["ttlSecondsAfterFinished"] = job["spec"]["ttlSecondsAfterFinished"]
     return [{"apiVersion": PYTORCHJOB_API, "kind": "PyTorchJob",

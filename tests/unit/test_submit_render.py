@@ -182,7 +182,8 @@ def test_pytorchjob_has_one_master_and_the_rest_workers(nodes, workers):
     replicas = spec["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] == 1 and (replicas.get("Worker") or {}).get("replicas") == workers
     assert {r["restartPolicy"] for r in replicas.values()} == {"ExitCode"}
-    assert spec["nprocPerNode"] == "4" and spec["runPolicy"]["backoffLimit"] == JOB["spec"]["backoffLimit"]
+    assert spec["nprocPerNode"] == "4" and "backoffLimit" not in spec["runPolicy"], "ExitCode restarts are not counted"
+    assert spec["runPolicy"]["ttlSecondsAfterFinished"] == JOB["spec"]["ttlSecondsAfterFinished"]
     assert template["spec"]["containers"][0]["ports"] == [{"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"}]
 
 
