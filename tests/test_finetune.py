@@ -98,7 +98,7 @@ def kill_and_restart_until_done(cmd: list[str], seed: int, kills: int) -> list[s
     rng = random.Random(seed)
     outputs, killed = [], 0
     for _ in range(kills):
-        step = rng.randint(2, MAX_STEPS - 4)
+        step = rng.randint(INTERVAL + 1, MAX_STEPS - 4)  # after the first checkpoint: a restart resumes
         code, output = run_until(cmd, stop_when=f"step {step}/{MAX_STEPS}", delay=rng.uniform(0, 0.03))
         outputs.append(output)
         assert code in (-signal.SIGKILL, 0), output
