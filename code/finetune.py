@@ -27,6 +27,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import errno  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -388,7 +389,14 @@ def run(settings: Settings, args: argparse.Namespace, world_size: int, texts: tu
         total = sum(p.numel() for p in model.parameters())
         log(f"{settings.model.method} fine-tune of {args.model_dir}: {trainable:,} of {total:,} "
             f"parameters trained, {world_size} process(es), steps to {settings.train.max_steps}")
-    trainer.train(resume_from_checkpoint=folder)
+    try:
+        trainer.train(resume_from_checkpoint=folder)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):  # the next pod would fail the same way
+            raise ConfigError(f"no space left in {args.output_dir} for a checkpoint; give the workspace volume "
+                              f"more room (emptyDir sizeLimit) or lower checkpoint.keep "
+                              f"({settings.checkpoint.keep})") from None
+        raise
     code = resume.exit_code()
     if code == 0 and int(os.environ.get("RANK", 0)) == 0:
         log(f"done: step {trainer.state.global_step}")

@@ -133,7 +133,7 @@ def newest_committed(output_dir: Path | str) -> Path | None:
     checkpoint.remove_staging_leftovers(root)
     for torn in sorted(output_dir.glob(f"{TRAINER_PREFIX}*")):
         # Every save that finished was renamed away into checkpoints/: what is left was cut short.
-        if torn.is_dir():
+        if torn.is_dir() and torn.name[len(TRAINER_PREFIX):].isdigit():
             log(f"warning: {torn.name} is a Trainer save that never committed (killed mid-save); removing it")
             _remove_tree(torn)
 

@@ -138,3 +138,10 @@ def test_exit_code_follows_the_signal_all_processes_stopped_for():
     assert resume.exit_code() == 143
     callback.stopped_by = 2
     assert resume.exit_code() == 130
+
+
+def test_only_the_trainers_own_numbered_folders_count_as_torn(tmp_path):
+    (tmp_path / "checkpoint-notes").mkdir()
+    trainer_save(tmp_path, 7, {"m": b"7"})
+    assert hf_resume.newest_committed(tmp_path) is None
+    assert (tmp_path / "checkpoint-notes").is_dir() and not (tmp_path / "checkpoint-7").exists()
