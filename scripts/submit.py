@@ -77,11 +77,14 @@ What is validated (tests/test_submit.py), and what is not:
                               the field would just not take effect); here it is an error. Not checked:
                               the CRD's CEL rules (x-kubernetes-validations) and the JobSet webhook's
                               own checks, nor metadata (the CRD types it as a bare object).
-    PyTorchJob                the Kubeflow training SDK (kubeflow-training 1.9.x): the dict is
+    PyTorchJob                the Kubeflow training SDK (kubeflow-training 1.9.4): the dict is
                               deserialized into KubeflowOrgV1PyTorchJob (kubernetes client models
-                              inside, with their required-field and enum checks) and serialized back;
-                              whatever does not come back whole (an unknown or misplaced field) is
-                              reported by path. Not checked: the operator's webhook.
+                              inside, with their required-field checks) and serialized back; whatever
+                              does not come back whole (an unknown, misplaced or mistyped field) is
+                              reported by path. And the training operator's CRD schema (v1.9.4,
+                              tests/schemas/), made strict as the JobSet's. Neither knows the replica
+                              names (Master, Worker) or restartPolicy's values: the unit tests pin
+                              those. Not checked: the operator's webhook and its defaulting.
     Not checked by anything here: that the controllers behave as described above (no cluster here).
 
 Exit codes: 0; 64 bad input (a flag, job.yaml unreadable, no kubectl, the cluster lacks the CRD);

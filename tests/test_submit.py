@@ -7,7 +7,8 @@
   unknown fields of a structural schema silently; here they are errors. CEL rules and the JobSet
   webhook are not run.
 - PyTorchJob: the Kubeflow training SDK's models (kubeflow-training): deserialized and serialized
-  back; any field that does not survive is unknown to the SDK.
+  back; any field that does not survive is unknown to the SDK. And the training operator's CRD
+  schema (v1.9.4), made strict the same way.
 - The CLI: the ConfigMap is kubectl's own rendering of job/, --apply pipes exactly the printed stream
   to `kubectl apply -f -`, and a failed apply exits 64 (the CRD is missing) or 75 (no cluster).
 
@@ -124,9 +125,10 @@ def strict(schema):
 
 
 JOBSET_SCHEMAS = sorted(SCHEMAS.glob("jobset-*.json"))
+PYTORCHJOB_SCHEMAS = sorted(SCHEMAS.glob("pytorchjob-*.json"))
 
 
-def jobset_errors(doc: dict, schema_file: Path) -> list[str]:
+def schema_errors(doc: dict, schema_file: Path) -> list[str]:
     import jsonschema
 
     vendored = json.loads(schema_file.read_text())
@@ -134,18 +136,27 @@ def jobset_errors(doc: dict, schema_file: Path) -> list[str]:
     return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
 
 
-def test_the_vendored_jobset_schemas_name_their_source():
+def test_the_vendored_crd_schemas_name_their_source():
     assert [p.name for p in JOBSET_SCHEMAS] == ["jobset-v0.10.0.json", "jobset-v0.12.0.json"]
-    for path in JOBSET_SCHEMAS:
+    assert [p.name for p in PYTORCHJOB_SCHEMAS] == ["pytorchjob-v1.9.4.json"]
+    for path in JOBSET_SCHEMAS + PYTORCHJOB_SCHEMAS:
         vendored = json.loads(path.read_text())
         assert len(vendored["commit"]) == 40 and vendored["commit"] in vendored["source"]
-        assert "onJobFailureMessagePatterns" in json.dumps(vendored["openAPIV3Schema"]), "the rules need >= v0.10.0"
+    for path in JOBSET_SCHEMAS:
+        assert "onJobFailureMessagePatterns" in path.read_text(), "the rules need JobSet >= v0.10.0"
 
 
 @pytest.mark.parametrize("schema_file", JOBSET_SCHEMAS, ids=lambda p: p.stem)
 def test_jobset_passes_its_crd_schema_strictly(schema_file, streams):
     [jobset] = [d for d in streams["jobset"] if d["kind"] == "JobSet"]
-    assert jobset_errors(jobset, schema_file) == []
+    assert schema_errors(jobset, schema_file) == []
+
+
+@pytest.mark.parametrize("case", ["pytorchjob", "pytorchjob-1"])
+def test_pytorchjob_passes_its_crd_schema_strictly(case, streams):
+    [job] = [d for d in streams[case] if d["kind"] == "PyTorchJob"]
+    for schema_file in PYTORCHJOB_SCHEMAS:
+        assert schema_errors(job, schema_file) == []
 
 
 BROKEN_JOBSETS = [
@@ -165,7 +176,7 @@ def test_the_strict_jobset_check_rejects(where, change, message, streams):
     jobset = copy.deepcopy(streams["jobset"][-1])
     change(jobset["spec"])
     for schema_file in JOBSET_SCHEMAS:
-        errors = jobset_errors(jobset, schema_file)
+        errors = schema_errors(jobset, schema_file)
         assert any(message in e for e in errors), errors
 
 
@@ -197,13 +208,16 @@ def test_pytorchjob_survives_the_kubeflow_sdk_whole(case, streams):
     assert lost_in_sdk(job) == []
 
 
-def test_the_sdk_check_reports_unknown_and_mistyped_fields(streams):
+def test_the_pytorchjob_checks_report_unknown_and_mistyped_fields(streams):
     job = copy.deepcopy(streams["pytorchjob"][-1])
     job["spec"]["runPolicy"]["backofLimit"] = 3
     job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = "2"
     job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["gpus"] = 4
     assert lost_in_sdk(job) == [".spec.pytorchReplicaSpecs.Master.template.spec.containers[0].gpus",
                                 ".spec.pytorchReplicaSpecs.Worker.replicas", ".spec.runPolicy.backofLimit"]
+    errors = schema_errors(job, PYTORCHJOB_SCHEMAS[0])
+    for message in ("'gpus' was unexpected", "'2' is not of type 'integer'", "'backofLimit' was unexpected"):
+        assert any(message in e for e in errors), errors
     del job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["name"]
     with pytest.raises(ValueError, match="`name`, must not be `None`"):
         lost_in_sdk(job)
