@@ -31,7 +31,10 @@ Engines, and what restarts the group of N pods when one of them goes:
                 (failurePolicy). Rules, by the child Job's failure message (onJobFailureMessagePatterns,
                 JobSet >= v0.10.0): exit 64 -> FailJobSet; DisruptionTarget ->
                 RestartJobSetAndIgnoreMaxRestarts; anything else -> RestartJobSet, at most maxRestarts
-                (job.yaml's backoffLimit) times. JobSet makes the headless Service <run> itself.
+                (job.yaml's backoffLimit) times. A peer's exit 138 falls under "anything else":
+                it may reach the Job before the crash that caused it, so it is counted like one
+                (one count per group restart either way; a preemption that loses that race counts
+                too). JobSet makes the headless Service <run> itself.
     pytorchjob  N pods as a Kubeflow PyTorchJob (kubeflow.org/v1, training-operator v1.x): Master (1)
                 and Worker (N-1), restartPolicy ExitCode. The operator finds the container by the
                 name "pytorch" (renamed from job.yaml's "trainer") and injects MASTER_ADDR,
