@@ -142,7 +142,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = Parser(prog="submit.py", description="Render (or apply) a training run's manifests, derived from job.yaml.")
+    parser = Parser(prog="submit.py",
+                    description="Render (or apply) a training run's manifests, derived from job.yaml.")
     parser.add_argument("name", help="the run: names the Job/JobSet/PyTorchJob, its Service and its pods")
     parser.add_argument("--image", required=True, help="the trainer image")
     parser.add_argument("--code", required=True, help="S3_CODE_URI, s3://bucket/prefix/")
@@ -178,7 +179,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.nodes < 1:
         raise BadInput(f"--nodes {args.nodes} must be at least 1")
     if args.engine == "job" and args.nodes != 1:
-        raise BadInput(f"--engine job runs one pod, not --nodes {args.nodes}; use --engine indexed, jobset or pytorchjob")
+        raise BadInput(f"--engine job runs one pod, not --nodes {args.nodes}; "
+                       "use --engine indexed, jobset or pytorchjob")
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise BadInput(f"--gpus-per-node {args.gpus_per_node} must be at least 1")
     for flag, path in (("--train-config", args.train_config), ("--train-script", args.train_script)):
@@ -393,7 +395,8 @@ def apply(stream: str) -> None:
         return
     line = last_line(result.stderr)
     if "no matches for kind" in result.stderr:
-        raise BadInput(f"the cluster does not know this engine's kind ({line}); install its controller or pick another --engine")
+        raise BadInput(f"the cluster does not know this engine's kind ({line}); "
+                       "install its controller or pick another --engine")
     raise RetryLater(f"kubectl apply failed: {line}; check the cluster access and run again")
 
 

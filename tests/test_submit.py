@@ -268,7 +268,8 @@ def test_apply_without_a_reachable_cluster_exits_75(tmp_path):
     config.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "c",
         "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:9"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}], "users": [{"name": "u", "user": {"token": "not-a-secret"}}]}))
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+        "users": [{"name": "u", "user": {"token": "not-a-secret"}}]}))
     result = submit(*RUN, "--apply", env={"KUBECONFIG": str(config)})
     assert result.returncode == 75, result.stderr
     assert len(result.stderr.splitlines()) == 1 and "check the cluster access and run again" in result.stderr

@@ -42,10 +42,13 @@ BAD_FLAGS = [
     (["--engine", "mpi"], "argument --engine: invalid choice: 'mpi'"),
     (["--gpus-per-node", "0"], "--gpus-per-node 0 must be at least 1"),
     (["--code", "https://bkt/code/"], "--code 'https://bkt/code/' is not an s3://bucket/prefix/ URI; e.g. --code s3://"),
-    (["--output", "s3://bkt/gpt/code/run/"], "--output s3://bkt/gpt/code/run/ and --code s3://bkt/gpt/code/ overlap; give --output its own prefix"),
+    (["--output", "s3://bkt/gpt/code/run/"],
+     "--output s3://bkt/gpt/code/run/ and --code s3://bkt/gpt/code/ overlap; give --output its own prefix"),
     (["--output", "s3://bkt/gpt/"], "--output s3://bkt/gpt/ and --code s3://bkt/gpt/code/ overlap"),
-    (["--train-config", "/etc/conf.yaml"], "--train-config '/etc/conf.yaml' must be a path relative to the code, e.g. --train-config config/conf.yaml"),
-    (["--train-script", "../x.py"], "--train-script '../x.py' must be a path relative to the code, e.g. --train-script train.py"),
+    (["--train-config", "/etc/conf.yaml"],
+     "--train-config '/etc/conf.yaml' must be a path relative to the code, e.g. --train-config config/conf.yaml"),
+    (["--train-script", "../x.py"],
+     "--train-script '../x.py' must be a path relative to the code, e.g. --train-script train.py"),
     (["--image", "two words"], "--image 'two words' is not an image reference"),
     (["--apply", "--dry-run"], "not allowed with argument"),
 ]
@@ -153,6 +156,8 @@ def test_indexed_job_runs_the_group_as_one_job_with_a_headless_service():
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert service["metadata"]["name"] == job["spec"]["template"]["spec"]["subdomain"] == "run-a"
     assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+    outside_pod = differences({**spec, "template": None}, {**JOB["spec"], "template": None})
+    assert outside_pod == {".completionMode", ".completions", ".parallelism", ".podFailurePolicy.rules"}
 
 
 def test_jobset_fails_the_child_job_on_any_failure_and_decides_by_its_message():
@@ -174,6 +179,9 @@ def test_jobset_fails_the_child_job_on_any_failure_and_decides_by_its_message():
                    "RestartJobSet") for m in (bad, preempted, crashed)]
     assert decide == ["FailJobSet", "RestartJobSetAndIgnoreMaxRestarts", "RestartJobSet"]
     assert spec["ttlSecondsAfterFinished"] == JOB["spec"]["ttlSecondsAfterFinished"] and "ttlSecondsAfterFinished" not in child
+    outside_pod = differences({**child, "template": None}, {**JOB["spec"], "template": None})
+    assert outside_pod == {".completionMode", ".completions", ".parallelism", ".backoffLimit", ".podFailurePolicy.rules",
+                           ".ttlSecondsAfterFinished"}
 
 
 @pytest.mark.parametrize("nodes, workers", [(1, None), (2, 1), (8, 7)])
@@ -185,6 +193,8 @@ def test_pytorchjob_has_one_master_and_the_rest_workers(nodes, workers):
     assert spec["nprocPerNode"] == "4" and "backoffLimit" not in spec["runPolicy"], "ExitCode restarts are not counted"
     assert spec["runPolicy"]["ttlSecondsAfterFinished"] == JOB["spec"]["ttlSecondsAfterFinished"]
     assert template["spec"]["containers"][0]["ports"] == [{"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"}]
+    if workers:
+        assert replicas["Worker"]["template"] == template, "every pod of the group is the same pod"
 
 
 @pytest.mark.parametrize("engine", ["job", "indexed", "jobset", "pytorchjob"])
