@@ -134,14 +134,16 @@ def test_two_processes_under_torchrun_resume_bitwise_exact(tmp_path_factory, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sigterm_commits_the_current_step_exits_143_and_no_step_is_redone(tmp_path, lab, nproc, reference_lora):
+@pytest.mark.parametrize("nproc,sig", [(1, signal.SIGTERM), (2, signal.SIGTERM), (1, signal.SIGINT)],
+                         ids=["sigterm-1", "sigterm-2", "sigint-1"])
+def test_sigterm_commits_the_current_step_exits_143_and_no_step_is_redone(tmp_path, lab, nproc, sig,
+                                                                           reference_lora):
     out = tmp_path / "out"
     cmd = command(lab, out, "lora", nproc)
-    code, output = run_until(cmd, stop_when=f"step 7/{MAX_STEPS}", send=signal.SIGTERM)
+    code, output = run_until(cmd, stop_when=f"step 7/{MAX_STEPS}", send=sig)
     if nproc == 1:  # torchrun reports its own code for a signalled worker
-        assert code == 143, output
-    stopped_at = int(re.search(r"SIGTERM: step (\d+) finished", output).group(1))
+        assert code == 128 + sig, output
+    stopped_at = int(re.search(rf"{sig.name}: step (\d+) finished", output).group(1))
     steps = [s for s, _ in checkpoint.committed_steps(out / "checkpoints")]
     assert steps[0] == stopped_at >= 7, (steps, stopped_at)  # the step it stopped at, committed
     assert not list(out.glob("checkpoint-*")), "a Trainer folder was left behind"
@@ -239,6 +241,24 @@ def test_committed_checkpoints_hold_every_trainer_file_and_reports_are_written(t
     events.Reload()
     assert {"train/loss", "val/loss", "lr"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, MAX_STEPS + 1))
+
+
+@pytest.mark.slow
+def test_a_saved_dataset_dict_trains_and_evaluates(tmp_path, lab):
+    import datasets
+
+    from finetune_lab import sentences
+
+    data = tmp_path / "dataset"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": sentences(200, seed=1)}),
+                          "validation": datasets.Dataset.from_dict({"text": sentences(30, seed=2)})}
+                         ).save_to_disk(str(data))
+    out = tmp_path / "out"
+    code, output = run_until(command(lab, out, "full", extra=("--data_dir", str(data), "--set", "train.max_steps=10")))
+    assert code == 0, output
+    assert "val loss" in output
+    progress = json.loads((out / "progress.json").read_text())
+    assert progress["step"] == 10 and isinstance(progress["val_loss"], float)
 
 
 # -- any Trainer script --------------------------------------------------------------------------------
