@@ -85,6 +85,9 @@ class EvalConfig:
 class CheckpointConfig:
     interval: int = 1000  # steps between checkpoints; the last step is always saved
     keep: int = 3  # newest committed checkpoints kept, locally and in S3, besides best/
+    # Training waits only for a copy of its state; a background process writes and commits it.
+    # ("async" itself is a Python keyword, so no dataclass field can carry that name.)
+    async_save: bool = True
 
     def check(self) -> None:
         _require(self.interval >= 1, "checkpoint.interval", "must be at least 1")

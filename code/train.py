@@ -14,7 +14,9 @@ resumed run ends bitwise equal to an uninterrupted one on CPU.
 
 SIGTERM or SIGINT: the current optimizer step finishes, a checkpoint of it is committed, and the
 process exits 143 (130 for SIGINT). Exit code 64 means bad input: the config, the data, or a
-checkpoint of another model shape. A retry will not fix it.
+checkpoint of another model shape. A retry will not fix it. Exit code 1 with one line: a checkpoint
+save failed (with checkpoint.async_save, training waits only for a copy of its state while a
+background process commits it; see async_save.py).
 
 Writes under OUTPUT_DIR: checkpoints/step-NNNNNNNN/ and checkpoints/best/, tensorboard/,
 progress.json (what the pod runtime reports). Touches $HEALTH_FILE while steps complete.
@@ -43,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import config
+from async_save import AsyncSaver, NoSpace, SaveFailed, folder_mb, link_best, write_step
 from config import Config, ConfigError
 from model import GPT
 
@@ -254,6 +257,8 @@ class Trainer:
             rt.device.type)
         torch.manual_seed(cfg.train.seed + 1 + rt.rank)  # dropout draws differ per process
         self.writer = None
+        self.saver = (AsyncSaver(rt.device, log, self.heartbeat.beat)
+                      if cfg.checkpoint.async_save and rt.master else None)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -310,17 +315,43 @@ class Trainer:
                 self._link_best(folder)
 
     def save(self, is_best: bool) -> None:
-        """Commit a checkpoint of this step (a collective: every rank calls it, rank 0 writes)."""
+        """Checkpoint this step (a collective: every rank calls it, rank 0 writes). With a saver,
+        it returns once the state is copied; the commit follows in the background."""
         rng = gather_rng_states(self.rt)
         if not self.rt.master:
             return
         final = self.ckpt_root / checkpoint.step_dir_name(self.step)
-        if not checkpoint.is_committed(final):
-            self._write_checkpoint(final, rng)
-        if is_best:
-            self._link_best(final)
+        if checkpoint.is_committed(final):
+            if is_best:
+                self.wait_for_saves()  # best/ is linked by one writer at a time
+                self._link_best(final)
+            return
+        self._write_checkpoint(final, rng, is_best)
 
-    def _write_checkpoint(self, final: Path, rng: list[dict]) -> None:
+    def wait_for_saves(self) -> None:
+        """Until the save in flight (if any) is committed."""
+        if self.saver:
+            with self._saver_errors():
+                self.saver.wait()
+
+    def check_saves(self) -> None:
+        """Log a background save that finished; a failed one stops the run (SaveFailed)."""
+        if self.saver:
+            with self._saver_errors():
+                self.saver.poll()
+
+    @contextlib.contextmanager
+    def _saver_errors(self):
+        try:
+            yield
+        except NoSpace as err:
+            raise self._no_space(err.filename) from None
+
+    def _no_space(self, name: str) -> ConfigError:  # the next pod would fail the same way
+        return ConfigError(f"no space left in {self.out} for checkpoint {name}; give the workspace volume "
+                           f"more room (emptyDir sizeLimit) or lower checkpoint.keep ({self.cfg.checkpoint.keep})")
+
+    def _write_checkpoint(self, final: Path, rng: list[dict], is_best: bool) -> None:
         started = time.monotonic()
         state = {
             "optimizer": self.optimizer.state_dict(),
@@ -335,30 +366,23 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "world_size": self.rt.world_size,
         }
+        keep = self.cfg.checkpoint.keep
+        if self.saver:
+            with self._saver_errors():
+                self.saver.submit(self.ckpt_root, final.name, self.raw_model.state_dict(), state, self._meta(),
+                                  is_best, keep)
+            return
         try:
-            with checkpoint.stage(final) as staged:
-                with staged.open("model.pt") as file:
-                    torch.save(self.raw_model.state_dict(), file)
-                self.heartbeat.beat()
-                with staged.open("state.pt") as file:
-                    torch.save(state, file)
-                staged.commit(meta=self._meta())
+            write_step(self.ckpt_root, final.name, self.raw_model.state_dict(), state, self._meta(), is_best,
+                       keep, beat=self.heartbeat.beat)
         except OSError as err:
-            if err.errno in (errno.ENOSPC, errno.EDQUOT):  # the next pod would fail the same way
-                raise ConfigError(f"no space left in {self.out} for checkpoint {final.name}; give the "
-                                  f"workspace volume more room (emptyDir sizeLimit) or lower checkpoint.keep "
-                                  f"({self.cfg.checkpoint.keep})") from None
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise self._no_space(final.name) from None
             raise
-        self.heartbeat.beat()
-        checkpoint.prune(self.ckpt_root, self.cfg.checkpoint.keep)
-        size = sum(p.stat().st_size for p in final.iterdir()) / 1e6
-        log(f"checkpoint {final.name} committed: {size:.1f} MB in {time.monotonic() - started:.2f}s")
+        log(f"checkpoint {final.name} committed: {folder_mb(final):.1f} MB in {time.monotonic() - started:.2f}s")
 
     def _link_best(self, source: Path) -> None:
-        entry = checkpoint.read_manifest(source)["files"]["model.pt"]
-        with checkpoint.stage(self.ckpt_root / "best") as staged:
-            staged.add_link(source / "model.pt", entry)
-            staged.commit(meta=self._meta(), replace=True)
+        link_best(self.ckpt_root, source, self._meta())
 
     def _meta(self) -> dict:
         return {"step": self.step, "max_steps": self.cfg.train.max_steps, "keep": self.cfg.checkpoint.keep,
@@ -377,6 +401,8 @@ class Trainer:
         if self.rt.master:
             self._open_tensorboard(start_step)
             self._describe(start_step)
+        if self.saver and self.step < self.cfg.train.max_steps:
+            self.saver.start()  # it imports torch while training starts, not at the first save
         meter = Meter(self, start_step)
         self.heartbeat.beat()
         if self.rt.master:
@@ -389,6 +415,7 @@ class Trainer:
                 meter.after_step(loss)
                 paused = time.monotonic()
                 self._evaluate_and_save(model)
+                self.check_saves()
                 meter.since += time.monotonic() - paused  # speed is of training steps alone
                 signum = self.stop.agreed(self.rt)
                 if signum:
@@ -396,6 +423,8 @@ class Trainer:
             self._finish()
             return 0
         finally:
+            if self.saver:
+                self.saver.close()  # after an error too: a save under way is still a good checkpoint
             if self.writer:
                 self.writer.close()
 
@@ -458,7 +487,9 @@ class Trainer:
         name = signal.Signals(signum).name
         if self.rt.master:
             log(f"{name}: step {self.step} finished; committing a checkpoint of it before exit")
+        self.wait_for_saves()  # this step may be the one in flight: then it is committed now
         self.save(is_best=False)
+        self.wait_for_saves()
         if self.rt.master:
             self._write_progress()
             if self.writer:
@@ -467,6 +498,7 @@ class Trainer:
         return 128 + signum
 
     def _finish(self) -> None:
+        self.wait_for_saves()  # the runtime takes exit 0 to mean the last step is committed
         if self.rt.master:
             minutes = (time.monotonic() - self.started) / 60
             log(f"done: step {self.step}, train loss {_show(self.train_loss)}, val loss {_show(self.val_loss)}, "
@@ -583,13 +615,17 @@ def torch_version_problem(version: str) -> str | None:
 def report_bad_input(err: ConfigError, rt: Runtime) -> int:
     """One line on stderr, and the torchelastic error file, so the pod learns it was exit 64
     (torchrun itself exits 1 whatever its workers' codes; it copies this file with their code)."""
+    return report_failure(str(err), rt, EXIT_BAD_INPUT)
+
+
+def report_failure(message: str, rt: Runtime, code: int) -> int:
     if rt.rank == 0:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print(f"error: {message}", file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
-        payload = {"message": {"message": str(err), "extraInfo": {"timestamp": str(int(time.time()))}}}
+        payload = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
         Path(error_file).write_text(json.dumps(payload))
-    return EXIT_BAD_INPUT
+    return code
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -616,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
         return Trainer(cfg, args, rt).run()
     except ConfigError as err:
         return report_bad_input(err, rt)
+    except SaveFailed as err:
+        return report_failure(str(err), rt, 1)
     finally:
         rt.stop()
 

@@ -1,0 +1,434 @@
+"""Checkpoints committed by a background process: training waits only for a copy of its state.
+
+    saver = AsyncSaver(device, log)
+    saver.submit(root, name, model_state, state, meta, best, keep)  # blocks for the snapshot only
+    saver.poll()     # each step: logs a finished save, raises SaveFailed if the save process failed
+    saver.wait()     # until the save in flight is committed (SIGTERM, the last step)
+    saver.close()
+
+submit() copies every tensor of the state into CPU buffers that the save process shares (pinned on
+CUDA, so the copy runs at PCIe speed), and returns. The save process serializes, hashes, fsyncs and
+commits with write_step(), the same function the synchronous path runs: files, manifest last,
+rename (job/checkpoint.py), then best/ is linked to the committed model.pt, then old steps are
+pruned. One process does all three in that order, one save at a time, so prune never removes a
+folder that a save in flight links from and best/ only ever points at committed files.
+
+Why a process, not a thread: torch.save and the writes hold the GIL for much of a save, which a
+thread would take from the training loop. Why spawn, not fork: fork copies a process whose torch
+thread pools and gloo threads may hold locks that no thread in the child will ever release.
+Why memfd, not /dev/shm (torch's share_memory_()): /dev/shm of a Kubernetes container is 64 MiB
+unless a memory emptyDir is mounted there, while a memfd is plain memory of the pod; it is handed
+to the save process over the socket (SCM_RIGHTS) and freed once both processes let go of it.
+
+At most one save is in flight: a second submit() waits for the first (and logs how long), rather
+than holding a second copy of the state. The save process dies with the trainer (PR_SET_PDEATHSIG):
+a SIGKILLed trainer leaves a staging folder, never a committed step, and no writer behind it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import errno
+import mmap
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing import reduction
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import checkpoint
+
+# Test-only: seconds the save process sleeps between model.pt and state.pt, so a test can kill it
+# (or the trainer) while a save is in flight.
+TEST_DELAY_ENV = "TRAIN_TEST_SAVE_DELAY"
+SAVER_NICENESS = 5  # on a busy CPU, training keeps the upper hand; the save still gets its share
+_ALIGN = 64
+_PR_SET_PDEATHSIG = 1
+
+
+class SaveFailed(RuntimeError):
+    """The background save failed or its process died: that step is not committed."""
+
+
+class NoSpace(OSError):
+    """The save process ran out of disk space (the trainer turns it into bad input, exit 64)."""
+
+
+def write_step(root: Path, name: str, model_state, state: dict, meta: dict, best: bool, keep: int,
+               beat: Callable[[], None] = lambda: None) -> Path:
+    """Commit checkpoint `name` under `root`, link best/ to it if `best`, prune to `keep`."""
+    final = root / name
+    with checkpoint.stage(final) as staged:
+        with staged.open("model.pt") as file:
+            torch.save(model_state, file)
+        beat()
+        _test_delay()
+        with staged.open("state.pt") as file:
+            torch.save(state, file)
+        staged.commit(meta=meta)
+    beat()
+    if best:
+        link_best(root, final, meta)
+    checkpoint.prune(root, keep)
+    return final
+
+
+def link_best(root: Path, source: Path, meta: dict) -> None:
+    """best/ holds a hard link to a committed step's model.pt, with that step's meta."""
+    entry = checkpoint.read_manifest(source)["files"]["model.pt"]
+    with checkpoint.stage(root / "best") as staged:
+        staged.add_link(source / "model.pt", entry)
+        staged.commit(meta=meta, replace=True)
+
+
+def folder_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.iterdir()) / 1e6
+
+
+def _test_delay() -> None:
+    delay = float(os.environ.get(TEST_DELAY_ENV) or 0)
+    if delay > 0:
+        time.sleep(delay)
+
+
+# -- the state as a skeleton plus tensors ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a tensor was in the state: the storage it views (an index into the layout), and how."""
+
+    index: int
+    dtype: torch.dtype
+    shape: tuple
+    stride: tuple
+    offset: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One storage's place in the shared buffer."""
+
+    offset: int
+    nbytes: int
+
+
+def flatten(obj, storages: list, seen: dict):
+    """`obj` with every tensor replaced by a Slot. Storages are what is copied, each once, as
+    torch.save writes them: tied weights stay tied, a view keeps its strides. An object met twice
+    (a tensor, the betas tuple that param groups share) stays one object, so pickle's memo, and
+    with it every byte torch.save writes, is the same as for the live state."""
+    if ("object", id(obj)) in seen:
+        return seen["object", id(obj)]
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = (obj.device, storage._cdata)  # the identity torch.save itself uses for a storage
+        if key not in seen:
+            seen[key] = len(storages)
+            storages.append(torch.empty(0, dtype=torch.uint8, device=obj.device).set_(storage))
+        copy = Slot(seen[key], obj.dtype, tuple(obj.shape), tuple(obj.stride()), obj.storage_offset())
+    elif isinstance(obj, (dict, list, tuple)):
+        copy = _rebuilt_like(obj, lambda value: flatten(value, storages, seen))
+    else:
+        return obj
+    seen["object", id(obj)] = copy
+    seen["alive", id(obj)] = obj  # ids stay unique while the walk lasts
+    return copy
+
+
+def rebuild(obj, bases: Callable[[int], torch.Tensor], made: dict | None = None):
+    """The inverse of flatten: each Slot becomes a tensor over its storage's bytes in the shared
+    buffer; tensors of one storage share it, so torch.save writes it once, as for the live state."""
+    made = {} if made is None else made
+    if ("object", id(obj)) in made:
+        return made["object", id(obj)]
+    if isinstance(obj, Slot):
+        copy = bases(obj.index).view(obj.dtype).as_strided(obj.shape, obj.stride, obj.offset)
+    elif isinstance(obj, (dict, list, tuple)):
+        copy = _rebuilt_like(obj, lambda value: rebuild(value, bases, made))
+    else:
+        return obj
+    made["object", id(obj)] = copy
+    made["alive", id(obj)] = obj
+    return copy
+
+
+def _rebuilt_like(obj, convert: Callable):
+    """A dict, OrderedDict, list or tuple like `obj`, its values converted."""
+    if isinstance(obj, dict):
+        items = [(k, convert(v)) for k, v in obj.items()]
+        copy = collections.OrderedDict(items) if isinstance(obj, collections.OrderedDict) else dict(items)
+        if hasattr(obj, "_metadata"):  # state_dict()'s module versions, which torch.save keeps
+            copy._metadata = obj._metadata
+        return copy
+    items = [convert(v) for v in obj]
+    return items if isinstance(obj, list) else tuple(items)
+
+
+def plan(storages: list[torch.Tensor]) -> tuple[list[Layout], int]:
+    """Each storage's place in one buffer (64-byte aligned), and the buffer's size."""
+    layout, offset = [], 0
+    for storage in storages:
+        nbytes = storage.numel()
+        layout.append(Layout(offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return layout, max(offset, _ALIGN)
+
+
+def bytes_over(buffer, place: Layout) -> torch.Tensor:
+    """A uint8 tensor of its own storage (torch.save writes only these bytes) over part of `buffer`."""
+    if place.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=place.nbytes, offset=place.offset)
+
+
+class _Bases:
+    """Slot index -> the uint8 tensor over that storage's bytes, one per storage."""
+
+    def __init__(self, buffer, layout: list[Layout]):
+        self.buffer, self.layout, self.bases = buffer, layout, {}
+
+    def __call__(self, index: int) -> torch.Tensor:
+        if index not in self.bases:
+            self.bases[index] = bytes_over(self.buffer, self.layout[index])
+        return self.bases[index]
+
+
+# -- the trainer's side --------------------------------------------------------------------------
+
+@dataclass
+class _Request:
+    root: str
+    name: str
+    model: Any
+    state: Any
+    meta: dict
+    best: bool
+    keep: int
+    layout: list
+
+
+class AsyncSaver:
+    """The trainer's handle on its save process (started at the first save)."""
+
+    def __init__(self, device: torch.device, log: Callable[[str], None],
+                 beat: Callable[[], None] = lambda: None):
+        self.device, self.log, self.beat = device, log, beat
+        self._process = None
+        self._conn = None
+        self._buffer = None
+        self._fd: int | None = None
+        self._layout: list[Layout] | None = None
+        self._targets: list[torch.Tensor] = []
+        self._pinned = None
+        self._in_flight: tuple[str, float] | None = None
+
+    @property
+    def in_flight(self) -> str | None:
+        return self._in_flight[0] if self._in_flight else None
+
+    def submit(self, root: Path, name: str, model_state, state: dict, meta: dict, best: bool,
+               keep: int) -> None:
+        if self._in_flight:
+            waiting_for, started = self._in_flight[0], time.monotonic()
+            self.wait()
+            self.log(f"waited {time.monotonic() - started:.2f}s for checkpoint {waiting_for} to commit "
+                     f"before taking {name}; checkpoint.interval is shorter than a save")
+        started = time.monotonic()
+        storages: list[torch.Tensor] = []
+        skeleton = flatten({"model": model_state, "state": state}, storages, {})
+        layout, size = plan(storages)
+        if layout != self._layout:  # the first save, or the state changed shape: buffers are reused
+            self._allocate(layout, size)
+        self.start()
+        with torch.no_grad():
+            for target, storage in zip(self._targets, storages):
+                target.copy_(storage, non_blocking=self._pinned is not None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every copy has landed before the process reads it
+        self._send(("save", _Request(str(root), name, skeleton["model"], skeleton["state"], meta, best,
+                                     keep, self._layout)))
+        self._in_flight = (name, time.monotonic())
+        self.log(f"saving {name} in the background (pid {self._process.pid}); "
+                 f"training waited {time.monotonic() - started:.2f}s for the copy")
+
+    def poll(self) -> None:
+        """Non-blocking: report a save that finished; raise SaveFailed if it failed."""
+        if self._in_flight and self._conn.poll():
+            self._receive()
+
+    def wait(self) -> None:
+        """Until no save is in flight; the heartbeat goes on meanwhile."""
+        while self._in_flight:
+            if self._conn.poll(1.0):
+                self._receive()
+            self.beat()
+
+    def close(self) -> None:
+        """Wait for the save in flight, then let the process go."""
+        try:
+            if self._process and self._process.is_alive():
+                self.wait()
+        finally:
+            self._stop_process()
+            self._release()
+
+    def kill(self) -> None:
+        """An error elsewhere: stop the process now (a save it had under way stays uncommitted)."""
+        if self._process and self._process.is_alive():
+            self._process.kill()
+        self._stop_process()
+        self._release()
+
+    def _receive(self) -> None:
+        name, submitted = self._in_flight
+        try:
+            reply = self._conn.recv()
+        except (EOFError, OSError):
+            self._in_flight = None
+            self._process.join(5)
+            code = self._process.exitcode
+            raise SaveFailed(f"the checkpoint save process died (exit code {code}) while writing {name}; "
+                             f"that step is not committed, the run stops so the next start resumes from "
+                             f"the newest committed one") from None
+        self._in_flight = None
+        if reply[0] == "ok":
+            mb, seconds = reply[1:]
+            self.log(f"checkpoint {name} committed: {mb:.1f} MB in {seconds:.2f}s (in the background, "
+                     f"{time.monotonic() - submitted:.2f}s after the copy)")
+        elif reply[0] == "nospace":
+            raise NoSpace(errno.ENOSPC, reply[1], name)
+        else:
+            raise SaveFailed(f"saving checkpoint {name} failed in the save process: {reply[1]}; that step is "
+                             f"not committed")
+
+    def start(self) -> None:
+        """Start the save process (it imports torch meanwhile); submit() does it if not done."""
+        if self._process:
+            if not self._process.is_alive():
+                raise SaveFailed(f"the checkpoint save process died (exit code {self._process.exitcode}) "
+                                 f"between saves")
+            return
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe(duplex=True)
+        self._process = context.Process(target=_serve, args=(theirs, os.getpid()), name="checkpoint-saver", daemon=True)
+        self._process.start()
+        theirs.close()  # only the child holds that end now: its death reads as EOF here
+        self._conn = ours
+        if self._buffer is not None:
+            self._send_buffer()
+
+    def _allocate(self, layout: list[Layout], size: int) -> None:
+        self._release()
+        self._fd = os.memfd_create("checkpoint-snapshot", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, size)
+        self._buffer = mmap.mmap(self._fd, size)
+        self._layout = layout
+        self._targets = [bytes_over(self._buffer, place) for place in layout]
+        if self.device.type == "cuda":
+            self._pin(size)
+        if self._process:
+            self._send_buffer()
+
+    def _pin(self, size: int) -> None:
+        """Page-lock the buffer so GPU-to-CPU copies run by DMA, asynchronously (as pin_memory())."""
+        base = torch.frombuffer(self._buffer, dtype=torch.uint8, count=1).data_ptr()
+        result = torch.cuda.cudart().cudaHostRegister(base, size, 0)
+        if int(result) != 0:
+            self.log(f"warning: could not pin {size / 1e6:.0f} MB for checkpoint snapshots (cuda error "
+                     f"{int(result)}); the copy off the GPU is slower")
+            return
+        self._pinned = base
+
+    def _send_buffer(self) -> None:
+        self._send(("buffer", len(self._buffer)))
+        reduction.send_handle(self._conn, self._fd, self._process.pid)  # SCM_RIGHTS over the socket
+
+    def _send(self, message) -> None:
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self._process.join(5)
+            raise SaveFailed(f"the checkpoint save process died (exit code {self._process.exitcode}) "
+                             f"between saves") from None
+
+    def _release(self) -> None:
+        if self._pinned is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._pinned)
+            self._pinned = None
+        self._targets = []
+        self._layout = None
+        self._buffer = None  # unmapped once the last tensor over it is gone
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _stop_process(self) -> None:
+        if self._process is None:
+            return
+        if self._process.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send(("stop",))
+            self._process.join(30)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+        self._conn.close()
+        self._process = self._conn = None
+        self._in_flight = None
+
+
+# -- the save process ----------------------------------------------------------------------------
+
+def _serve(conn, trainer_pid: int) -> None:
+    """The save process: map the buffer it is handed, commit each request, answer with the outcome."""
+    _die_with_parent(trainer_pid)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the trainer decides when to stop; it waits for us
+        signal.signal(sig, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    os.nice(SAVER_NICENESS)
+    buffer = None
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the trainer is gone
+        if message[0] == "stop":
+            return
+        if message[0] == "buffer":
+            fd = reduction.recv_handle(conn)
+            buffer = mmap.mmap(fd, message[1])
+            os.close(fd)
+            continue
+        conn.send(_save(message[1], buffer))
+
+
+def _save(request: _Request, buffer) -> tuple:
+    started = time.monotonic()
+    views = _Bases(buffer, request.layout)
+    try:
+        made: dict = {}
+        final = write_step(Path(request.root), request.name, rebuild(request.model, views, made),
+                           rebuild(request.state, views, made), request.meta, request.best, request.keep)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return ("nospace", str(err))
+        return ("error", f"{type(err).__name__}: {err}")
+    except Exception as err:  # noqa: BLE001 - any failure is reported to the trainer, which stops
+        return ("error", f"{type(err).__name__}: {err}")
+    return ("ok", folder_mb(final), time.monotonic() - started)
+
+
+def _die_with_parent(trainer_pid: int) -> None:
+    """SIGKILL this process when the trainer dies (Linux), so no writer outlives it."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != trainer_pid:  # the trainer died before the line above ran
+        os._exit(1)

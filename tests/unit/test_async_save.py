@@ -1,0 +1,79 @@
+"""The snapshot the save process writes from: a state taken apart into a skeleton and a shared
+buffer, put back together, serializes to exactly the bytes torch.save writes of the live state
+(tied weights saved once, state_dict's _metadata kept, every dtype). In-process, no save process."""
+
+from __future__ import annotations
+
+import collections
+import io
+import mmap
+
+import pytest
+import torch
+
+import async_save
+
+
+def live_state():
+    shared = torch.arange(12, dtype=torch.float32).reshape(3, 4)  # tied: one storage, two entries
+    model = collections.OrderedDict([("wte.weight", shared), ("lm_head.weight", shared),
+                                     ("ln.bias", torch.zeros(0)), ("h.0.w", torch.randn(5, 3).t())])
+    betas = (0.9, 0.95)  # one tuple in two param groups, as torch.optim makes it: pickle's memo
+    model._metadata = collections.OrderedDict([("", {"version": 1}), ("h.0", {"version": 2})])
+    state = {"optimizer": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.randn(3, 4)}},
+                           "param_groups": [{"betas": betas, "params": [0]}, {"betas": betas, "params": [1]}]},
+             "rng": [{"cpu": torch.get_rng_state(), "cuda": None}],
+             "flags": torch.tensor([True, False]), "half": torch.randn(4).to(torch.bfloat16),
+             "step": 7, "pair": (torch.ones(2, dtype=torch.int64), "x"), "loss": None}
+    return model, state
+
+
+def saved(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def snapshot_and_rebuild(obj):
+    storages: list = []
+    skeleton = async_save.flatten(obj, storages, {})
+    layout, size = async_save.plan(storages)
+    buffer = mmap.mmap(-1, size)
+    for place, storage in zip(layout, storages):
+        async_save.bytes_over(buffer, place).copy_(storage)
+    return async_save.rebuild(skeleton, async_save._Bases(buffer, layout)), storages, layout
+
+
+def test_rebuilt_state_serializes_to_the_same_bytes_as_the_live_one():
+    model, state = live_state()
+    rebuilt, _, _ = snapshot_and_rebuild({"model": model, "state": state})
+    assert saved(rebuilt["model"]) == saved(model)
+    assert saved(rebuilt["state"]) == saved(state)
+    assert rebuilt["model"]._metadata == model._metadata
+
+
+def test_tied_tensors_take_one_slot_and_stay_tied():
+    model, _ = live_state()
+    rebuilt, tensors, _ = snapshot_and_rebuild(model)
+    assert len(tensors) == 3, "wte and lm_head share one storage, copied once"
+    loaded = torch.load(io.BytesIO(saved(rebuilt)), weights_only=True)
+    assert loaded["wte.weight"].untyped_storage().data_ptr() == loaded["lm_head.weight"].untyped_storage().data_ptr()
+
+
+def test_the_rebuilt_state_reads_the_buffer_not_the_live_tensors():
+    live = {"w": torch.ones(4)}
+    rebuilt, _, _ = snapshot_and_rebuild(live)
+    live["w"].add_(1)  # training goes on after the snapshot
+    assert torch.equal(rebuilt["w"], torch.ones(4))
+
+
+@pytest.mark.parametrize("sizes,offsets,total", [
+    ([4], [0], 64),
+    ([4, 64, 1], [0, 64, 128], 192),
+    ([0, 100], [0, 0], 128),
+    ([], [], 64),
+])
+def test_plan_aligns_each_tensor_to_64_bytes(sizes, offsets, total):
+    tensors = [torch.zeros(n, dtype=torch.uint8) for n in sizes]  # a uint8 tensor per storage, as flatten makes
+    layout, size = async_save.plan(tensors)
+    assert [p.offset for p in layout] == offsets and size == total
