@@ -365,12 +365,14 @@ class Chore:
         self.name, self.do, self.every = name, do, every
         self.due, self.backoff = 0.0, 0.0
 
-    def run_if_due(self) -> None:
+    def run_if_due(self) -> bool:
+        """False when S3 stayed unreachable through a whole round of retries."""
         if time.monotonic() < self.due:
-            return
+            return True
         try:
             self.do()
             self.backoff, self.due = 0.0, time.monotonic() + self.every
+            return True
         except LeaseLost:
             raise
         except Exception as err:  # noqa: BLE001 - whatever it is, the watcher must not die silently
@@ -378,6 +380,17 @@ class Chore:
             what = str(err) if isinstance(err, (s3lib.Unavailable, s3lib.BadInput)) else repr(err)
             log("uploader", f"warning: {self.name}: {what}; training goes on, next try in {self.backoff:.0f}s")
             self.due = time.monotonic() + self.backoff * random.uniform(0.5, 1.0)
+            return not isinstance(err, s3lib.Unavailable)
+
+
+def run_round(chores: list[Chore]) -> float:
+    """The chores that are due, in order; the seconds to wait before the next round. S3 being
+    unreachable is every chore's problem: the round stops there and all wait out that backoff
+    together (one retrying client at a time, not a hot loop through a long outage)."""
+    for chore in chores:
+        if not chore.run_if_due():
+            return max(POLL_SECONDS, chore.due - time.monotonic())
+    return POLL_SECONDS
 
 
 def watch(uploader: Uploader, interval: float) -> int:
@@ -391,13 +404,12 @@ def watch(uploader: Uploader, interval: float) -> int:
               Chore("logs and events", uploader.sync_growing_files, interval)]
     while not stopping.is_set():
         try:
-            for chore in chores:
-                chore.run_if_due()
+            pause = run_round(chores)
         except LeaseLost as err:
             log("uploader", f"error: {err}")
             os.kill(os.getppid(), signal.SIGTERM)  # the bootstrap stops the trainer
             return EXIT_LEASE_LOST
-        stopping.wait(POLL_SECONDS)
+        stopping.wait(pause)
     uploader.keeper.stop()
     uploader.keeper.join(timeout=5)  # not mid-renewal when `final` takes over
     return 0

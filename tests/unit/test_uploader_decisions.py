@@ -109,3 +109,30 @@ def test_a_lost_lease_is_not_a_chores_failure_it_stops_the_watcher():
 
     with pytest.raises(uploader.LeaseLost):
         uploader.Chore("checkpoints", taken, 0.0).run_if_due()
+
+
+def test_s3_unreachable_stops_the_round_and_every_chore_waits_it_out():
+    ran = []
+
+    def unreachable():
+        ran.append("status")
+        raise uploader.s3lib.Unavailable("upload: S3 still unreachable after retrying for 30s")
+
+    chores = [uploader.Chore("checkpoints", lambda: ran.append("checkpoints"), 0.0),
+              uploader.Chore("status.json", unreachable, 0.0),
+              uploader.Chore("logs and events", lambda: ran.append("logs"), 0.0)]
+    pause = uploader.run_round(chores)
+    assert ran == ["checkpoints", "status"], "the rest would only wait out the same retries"
+    assert pause >= uploader.POLL_SECONDS and chores[1].backoff == 2.0
+
+
+def test_a_damaged_file_does_not_stop_the_round():
+    ran = []
+
+    def damaged():
+        raise ValueError("Expecting value: line 1 column 1")
+
+    chores = [uploader.Chore("status.json", damaged, 0.0),
+              uploader.Chore("checkpoints", lambda: ran.append("checkpoints"), 0.0)]
+    assert uploader.run_round(chores) == uploader.POLL_SECONDS
+    assert ran == ["checkpoints"]
