@@ -9,7 +9,10 @@
 #   S3_CODE_URI, S3_DATA_URI, S3_OUTPUT_URI   required, s3://bucket/prefix/ (must not overlap)
 #   WORK_DIR               /home/eai_role/code      absolute; code here, data in WORK_DIR/data, outputs in WORK_DIR/out
 #   NPROC_PER_NODE         the visible GPUs, else 1 positive, at most the GPUs the pod sees
+#   TRAIN_SCRIPT           train.py                 the script torchrun runs, relative to the code (e.g. finetune.py)
 #   TRAIN_CONFIG           config/conf.yaml         relative to the code
+#   S3_MODEL_URI           unset                    s3://bucket/prefix/ of a model snapshot (config.json, weights,
+#                                                   tokenizer): synced to WORK_DIR/model, passed as --model_dir
 #   TRAIN_ARGS             extra train.py arguments, e.g. "--set train.max_steps=2000"; split as a
 #                          shell splits words (quotes group, newlines separate), nothing evaluated
 #   SYNC_INTERVAL_SECONDS  60                       TensorBoard, log and status uploads (>= 1)
@@ -28,7 +31,8 @@
 #   CHECKPOINT_HMAC_KEY    unset                    signs and checks manifests; when set, 16 bytes or more (never printed)
 # Read as they are: AWS credentials and AWS_DEFAULT_REGION (the Secret or an IAM role), HOSTNAME
 # (the pod's name in logs and the lease), PIP_* (pip), PYTHONPATH (the runtime's folder is added).
-# Set here for the helpers: CODE_DIR, STATE_DIR, LOG_FILE, TORCHELASTIC_ERROR_FILE, PYTHONUNBUFFERED.
+# Set here for the helpers: CODE_DIR, STATE_DIR, LOG_FILE, TORCHELASTIC_ERROR_FILE, PYTHONUNBUFFERED,
+# TMPDIR (WORK_DIR/.tmp: torch's compile files and other temp files on the workspace, not the small /tmp).
 # Everything printed, and the log uploaded to S3, has URL credentials hidden (redact.sed).
 #
 # Exit codes: 0 done (COMPLETE written), 64 bad input (the Job must not retry), 75 S3 or the
@@ -216,6 +220,10 @@ check_s3_settings() {
   check_s3_uri S3_OUTPUT_URI "where checkpoints and logs go"
   check_no_overlap S3_OUTPUT_URI S3_CODE_URI
   check_no_overlap S3_OUTPUT_URI S3_DATA_URI
+  if [[ -n "${S3_MODEL_URI:-}" ]]; then
+    check_s3_uri S3_MODEL_URI "where scripts/stage.sh --model put the model snapshot"
+    check_no_overlap S3_OUTPUT_URI S3_MODEL_URI
+  fi
   if [[ -n "${AWS_ENDPOINT_URL:-}" && ! "${AWS_ENDPOINT_URL}" =~ ^https?://[^/]+ ]]; then
     die "${EXIT_BAD_INPUT}" "AWS_ENDPOINT_URL=$(shown "${AWS_ENDPOINT_URL}") has no http:// or https:// scheme; add it"
   fi
@@ -301,12 +309,29 @@ check_work_dir() {
   fi
 }
 
+# A file of the synced code: relative, and never outside it. Whether it is there is known after the sync.
+check_code_file() {
+  local name=$1 value=${!1} example=$2
+  [[ -n "${value}" && "${value}" != /* && ! "/${value}/" =~ /\.\./ ]] ||
+    die "${EXIT_BAD_INPUT}" "${name}=$(shown "${value}") must be relative to the code, without .. (e.g. ${example})"
+}
+
+check_train_files() {
+  TRAIN_SCRIPT=${TRAIN_SCRIPT:-train.py}
+  TRAIN_CONFIG=${TRAIN_CONFIG:-config/conf.yaml}
+  check_code_file TRAIN_SCRIPT finetune.py
+  check_code_file TRAIN_CONFIG config/conf.yaml
+  # finetune.py's --model_dir is required: say so here rather than as its usage error (exit 2).
+  if [[ "${TRAIN_SCRIPT}" == finetune.py && -z "${S3_MODEL_URI:-}" ]]; then
+    die "${EXIT_BAD_INPUT}" "S3_MODEL_URI is not set; TRAIN_SCRIPT=finetune.py needs a model snapshot in S3 (scripts/stage.sh --model DIR URI)"
+  fi
+}
+
 validate_settings() {
   check_s3_settings
   check_timings
   check_secrets
-  TRAIN_CONFIG=${TRAIN_CONFIG:-config/conf.yaml}
-  [[ "${TRAIN_CONFIG}" != /* ]] || die "${EXIT_BAD_INPUT}" "TRAIN_CONFIG=$(shown "${TRAIN_CONFIG}") must be relative to the code (e.g. config/conf.yaml)"
+  check_train_files
   READY_FILE=${READY_FILE:-/tmp/ready}
   HEALTH_FILE=${HEALTH_FILE:-/tmp/healthy}
   check_probe_file READY_FILE
@@ -317,12 +342,16 @@ validate_settings() {
   CODE_DIR=${WORK_DIR}
   DATA_DIR=${WORK_DIR}/data
   OUTPUT_DIR=${WORK_DIR}/out
+  MODEL_DIR=""
+  [[ -z "${S3_MODEL_URI:-}" ]] || MODEL_DIR=${WORK_DIR}/model
   STATE_DIR=${WORK_DIR}/.pod
   LOG_FILE=${STATE_DIR}/pod.log
-  mkdir -p "${DATA_DIR}" "${OUTPUT_DIR}" "${STATE_DIR}"
+  # Python (tempfile) silently falls back to /tmp when TMPDIR does not exist: make it first.
+  TMPDIR=${WORK_DIR}/.tmp
+  mkdir -p "${DATA_DIR}" "${OUTPUT_DIR}" "${STATE_DIR}" "${TMPDIR}"
   rm -f "${STATE_DIR}/lease.json"  # an earlier pod's, on a WORK_DIR that outlives pods
   check_train_args
-  export WORK_DIR CODE_DIR STATE_DIR LOG_FILE HEALTH_FILE
+  export WORK_DIR CODE_DIR STATE_DIR LOG_FILE HEALTH_FILE TMPDIR
   export PYTHONUNBUFFERED=1
 }
 
@@ -383,7 +412,8 @@ s3_sync_down() {
 # Files and bytes under a folder; the code folder (WORK_DIR) holds the pod's own folders too.
 folder_size() {
   local dir=${1%/}
-  find "${dir}" \( -path "${dir}/data" -o -path "${dir}/out" -o -path "${dir}/.pod" -o -path "${dir}/.venv-*" \) \
+  find "${dir}" \( -path "${dir}/data" -o -path "${dir}/out" -o -path "${dir}/model" -o -path "${dir}/.pod" \
+    -o -path "${dir}/.tmp" -o -path "${dir}/.venv-*" \) \
     -prune -o -type f -printf '%s\n' | awk '{n++; b+=$1} END {printf "%d %d\n", n, b}'
 }
 
@@ -404,7 +434,10 @@ sync_down() {
 check_access() {
   local uri bucket checked=" " output_bucket
   output_bucket=$(bucket_of "${S3_OUTPUT_URI}")
-  for uri in "${S3_CODE_URI}" "${S3_DATA_URI}" "${S3_OUTPUT_URI}"; do
+  # shellcheck disable=SC2153 # set by the Job, checked by check_s3_uri
+  local uris=("${S3_CODE_URI}" "${S3_DATA_URI}")
+  [[ -z "${S3_MODEL_URI:-}" ]] || uris+=("${S3_MODEL_URI}")
+  for uri in "${uris[@]}" "${S3_OUTPUT_URI}"; do
     bucket=$(bucket_of "${uri}")
     [[ "${checked}" != *" ${bucket} "* ]] || continue
     if [[ "${bucket}" == "${output_bucket}" ]]; then
@@ -431,19 +464,27 @@ already_complete() { ((COMPLETE_FOUND)); }
 
 sync_code() {
   sync_down "code" "${S3_CODE_URI}" "${CODE_DIR}"
-  [[ -f "${CODE_DIR}/train.py" ]] ||
-    die "${EXIT_BAD_INPUT}" "${S3_CODE_URI} holds no train.py; upload the code with scripts/stage.sh ${S3_CODE_URI}"
+  [[ -f "${CODE_DIR}/${TRAIN_SCRIPT}" ]] ||
+    die "${EXIT_BAD_INPUT}" "${S3_CODE_URI} holds no ${TRAIN_SCRIPT}; upload the code with scripts/stage.sh ${S3_CODE_URI} or fix TRAIN_SCRIPT"
   [[ -f "${CODE_DIR}/${TRAIN_CONFIG}" ]] ||
     die "${EXIT_BAD_INPUT}" "TRAIN_CONFIG=${TRAIN_CONFIG} is not in ${S3_CODE_URI}; upload it or fix TRAIN_CONFIG"
 }
 
 sync_data() {
   sync_down "data" "${S3_DATA_URI}" "${DATA_DIR}"
+  [[ "${TRAIN_SCRIPT}" == train.py ]] || return 0  # other trainers say themselves what their data lacks
   local split
   for split in train val; do
     [[ -s "${DATA_DIR}/${split}.bin" ]] ||
       die "${EXIT_BAD_INPUT}" "${S3_DATA_URI} holds no ${split}.bin; make it with scripts/prepare_data.py and upload it there"
   done
+}
+
+sync_model() {
+  mkdir -p "${MODEL_DIR}"
+  sync_down "model" "${S3_MODEL_URI}" "${MODEL_DIR}"
+  [[ -n "$(ls -A "${MODEL_DIR}")" ]] ||
+    die "${EXIT_BAD_INPUT}" "S3_MODEL_URI=${S3_MODEL_URI} is empty; upload a model snapshot there (scripts/stage.sh ${S3_CODE_URI} --model DIR ${S3_MODEL_URI})"
 }
 
 setup_python() {
@@ -529,12 +570,14 @@ run_trainer() {
   stop_if_asked
   local error_file="${STATE_DIR}/trainer-error.json"
   rm -f "${error_file}"
-  log "torchrun --standalone --nproc_per_node=${NPROC_PER_NODE} train.py --config ${TRAIN_CONFIG}${TRAIN_ARGV[*]:+$(printf ' %q' "${TRAIN_ARGV[@]}")}"
+  local model_args=()
+  [[ -z "${MODEL_DIR}" ]] || model_args=(--model_dir "${MODEL_DIR}")
+  log "torchrun --standalone --nproc_per_node=${NPROC_PER_NODE} ${TRAIN_SCRIPT} --config ${TRAIN_CONFIG}${MODEL_DIR:+ --model_dir ${MODEL_DIR}}${TRAIN_ARGV[*]:+$(printf ' %q' "${TRAIN_ARGV[@]}")}"
   # PYTHONPATH: a trainer that brings no checkpoint.py of its own uses the runtime's.
   TORCHELASTIC_ERROR_FILE=${error_file} PYTHONPATH=${PYTHONPATH:+${PYTHONPATH}:}${JOB_DIR} \
     "${PYTHON}" -m torch.distributed.run --standalone \
-    --nproc_per_node="${NPROC_PER_NODE}" "${CODE_DIR}/train.py" --config "${CODE_DIR}/${TRAIN_CONFIG}" \
-    --data_dir "${DATA_DIR}" --output_dir "${OUTPUT_DIR}" "${TRAIN_ARGV[@]}" &
+    --nproc_per_node="${NPROC_PER_NODE}" "${CODE_DIR}/${TRAIN_SCRIPT}" --config "${CODE_DIR}/${TRAIN_CONFIG}" \
+    "${model_args[@]}" --data_dir "${DATA_DIR}" --output_dir "${OUTPUT_DIR}" "${TRAIN_ARGV[@]}" &
   TRAINER_PID=$!
   [[ -z "${STOP_SIGNAL}" ]] || kill -s "${STOP_SIGNAL}" "${TRAINER_PID}" 2>/dev/null || true  # came before $!
   local code=0
@@ -617,6 +660,7 @@ main() {
   fi
   phase "sync code" sync_code
   phase "sync data" sync_data
+  [[ -z "${MODEL_DIR}" ]] || phase "sync model" sync_model
   phase "python environment" setup_python
   phase "take the run's lease" take_lease
   start_uploader
