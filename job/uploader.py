@@ -34,22 +34,26 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import struct
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
 import checkpoint  # the runtime's own copy of the protocol, never the user's upload
+import contract
 import s3 as s3lib
 from lease import Keeper, Lease, LeaseLost
 from s3 import Location, log
 
 
 POLL_SECONDS = 1.0
-EXIT_LEASE_LOST = 75
+SEGMENT_DIGITS = 8  # a segment a minute for 190 years
+EXIT_LEASE_LOST = contract.EXIT_LEASE_LOST
 
 
 def whole_records_length(path: Path, offset: int = 0) -> int:
@@ -77,6 +81,43 @@ def whole_lines_length(path: Path, tail: int = 1 << 20) -> int:
     return size - len(chunk) + cut + 1 if cut >= 0 else 0
 
 
+@dataclass
+class Growing:
+    """A growing file as S3 holds it: `segments` objects with `sent` of its bytes."""
+
+    sent: int = 0
+    segments: int = 0  # the next segment's number
+    inode: int | None = None  # of the file those bytes came from, once this process has seen it
+
+
+def segment_key(prefix: str, number: int, suffix: str) -> str:
+    """Fixed-width numbers: S3 lists, and TensorBoard reads, names in byte order."""
+    return f"{prefix}{number:0{SEGMENT_DIGITS}d}{suffix}"
+
+
+def growing_from_listing(listed: list[tuple[str, int]], prefix: str, suffix: str, size: int) -> Growing:
+    """Where a file's upload stands, from the (key, size) S3 lists under its prefix: the next
+    segment comes after the highest there, and carries on from the bytes they hold; when they hold
+    more than the file has, it was replaced (a restarted log): its bytes start anew. Other keys
+    under the prefix (another file whose name starts alike) are not its segments."""
+    pattern = re.compile(re.escape(prefix) + rf"([0-9]{{{SEGMENT_DIGITS},}}){re.escape(suffix)}")
+    numbers, sent = [], 0
+    for key, length in listed:
+        match = pattern.fullmatch(key)
+        if match:
+            numbers.append(int(match.group(1)))
+            sent += length
+    return Growing(sent=sent if sent <= size else 0, segments=max(numbers, default=-1) + 1)
+
+
+def part_start(sent: int, inode: int | None, size: int, current_inode: int) -> int:
+    """Where the next segment starts in the file: after what S3 has, or at 0 when the file was
+    replaced (another inode) or cut (shorter than what went up)."""
+    if (inode is not None and current_inode != inode) or size < sent:
+        return 0
+    return sent
+
+
 class Uploader:
     def __init__(self, run: Location, out: Path, retry_seconds: float):
         self.s3 = s3lib.client()
@@ -86,7 +127,7 @@ class Uploader:
         self.retry = s3lib.retrying("upload", run.bucket, seconds=retry_seconds, name="uploader")
         self.state_dir = Path(os.environ.get("STATE_DIR", out / ".pod"))
         self.log_file = Path(os.environ["LOG_FILE"]) if os.environ.get("LOG_FILE") else None
-        self.sent: dict[str, int] = {}  # bytes of each growing file already in S3
+        self.growing: dict[str, Growing] = {}  # segment prefix -> what S3 has of that file
         self.retention_checked = False
         self.remote: dict[str, dict | None] = {}  # checkpoint name -> its manifest's files in S3
         self.keeper: Keeper | None = None
@@ -251,27 +292,50 @@ class Uploader:
         log("uploader", f"retention: removed {name} from S3")
 
     # -- growing files ---------------------------------------------------------------------------
+    # S3 has no append, and putting a growing file whole every round costs the square of its size
+    # over a run. So each round puts only the whole records (lines) written since the last one, as
+    # an object of their own: the file's next segment, which sorts after its earlier ones. Each
+    # object is written once; TensorBoard reads a folder's event files in name order as one run,
+    # and an attempt's log is its segments in name order.
 
     def sync_growing_files(self) -> None:
         events = self.out / "tensorboard"
         if events.is_dir():
             for path in sorted(p for p in events.rglob("*") if p.is_file()):
-                key = self.run.key("tensorboard", str(path.relative_to(events)))
-                self._put_prefix(path, key, whole_records_length(path, self.sent.get(key, 0)))
+                prefix = self.run.key("tensorboard", str(path.relative_to(events))) + "."
+                self._put_new_part(path, prefix, "", whole_records_length)
         if self.log_file and self.log_file.is_file() and self.attempt:  # its name needs the attempt
-            self._put_prefix(self.log_file, self.run.key("logs", self.log_name()),
-                             whole_lines_length(self.log_file))
+            self._put_new_part(self.log_file, self.run.key("logs", self.log_name()) + "/", ".log",
+                               lambda path, _start: whole_lines_length(path))
 
-    def _put_prefix(self, path: Path, key: str, length: int) -> None:
-        if length <= self.sent.get(key, 0):
+    def _put_new_part(self, path: Path, prefix: str, suffix: str, whole_length) -> None:
+        """Put the file's bytes from what S3 has of it up to its last whole record (line), as its
+        next segment; nothing (no request) when there is none."""
+        state = self.growing.get(prefix)
+        if state is None:  # first sight in this process: S3 says how far an earlier one got
+            state = self.growing[prefix] = self._growing_in_s3(prefix, suffix, path.stat().st_size)
+        stat = path.stat()
+        state.sent = part_start(state.sent, state.inode, stat.st_size, stat.st_ino)
+        state.inode = stat.st_ino
+        length = whole_length(path, state.sent)
+        if length <= state.sent:
             return
         with open(path, "rb") as file:
-            body = file.read(length)
+            file.seek(state.sent)
+            body = file.read(length - state.sent)
+        key = segment_key(prefix, state.segments, suffix)
         self.write(self.s3.put_object, Bucket=self.run.bucket, Key=key, Body=body)
-        self.sent[key] = length
+        state.sent, state.segments = state.sent + len(body), state.segments + 1
+
+    def _growing_in_s3(self, prefix: str, suffix: str, size: int) -> Growing:
+        """What an earlier process of this pod (a watcher that died, the watcher before `final`)
+        put of a file: one listing, once per file and process."""
+        listed = s3lib.list_objects(self.s3, Location(self.run.bucket, prefix), self.retry)
+        return growing_from_listing([(item["Key"], item["Size"]) for item in listed], prefix, suffix, size)
 
     def log_name(self) -> str:
-        return f"attempt-{self.attempt.get('attempt', 0):04d}-{self.attempt.get('pod', 'pod')}.log"
+        """This attempt's log folder under logs/: its segments are NNNNNNNN.log."""
+        return f"attempt-{self.attempt.get('attempt', 0):04d}-{self.attempt.get('pod', 'pod')}"
 
     # -- status ------------------------------------------------------------------------------------
 
@@ -516,7 +580,7 @@ def _seconds_setting(name: str, default: str) -> float:
 def _state_for(exit_code: int) -> str:
     if exit_code == 0:
         return "completed"
-    if exit_code in (130, 143):
+    if exit_code in (contract.EXIT_SIGINT, contract.EXIT_SIGTERM):
         return "interrupted"
     return "failed"
 

@@ -47,7 +47,8 @@ def test_happy_path_ends_with_complete(run, reference_cache):
         assert run.verify_in_s3(f"step-{step:08d}") is None
     assert run.verify_in_s3("best") is None
     assert any(k.startswith("tensorboard/events.out.tfevents") for k in keys)
-    log = run.read(next(k for k in keys if k.startswith("logs/attempt-0001-"))).decode()
+    # The attempt's log is its segments, in name order.
+    log = b"".join(run.read(k) for k in sorted(keys) if k.startswith("logs/attempt-0001-")).decode()
     assert "torchrun --standalone --nproc_per_node=1" in log
     assert "final upload (trainer exit 0)" in log
     status = run.json("status.json")

@@ -277,7 +277,8 @@ def test_tensorboard_follows_the_runs_next_pod_into_its_new_event_file(watched):
     assert watched.resumed_from + 20 in watched.served_while_second_pod_trained, "live, not at the pod's end"
     assert watched.second_pod_steps <= set(watched.final_served)
     keys = watched.run.keys()
-    assert len([k for k in keys if k.startswith("tensorboard/events.out.tfevents")]) == 2, "one per pod"
+    event_files = {k.rsplit(".", 1)[0] for k in keys if k.startswith("tensorboard/events.out.tfevents")}
+    assert len(event_files) == 2, "one per pod (each in segments: FILE.NNNNNNNN)"
 
 
 def test_tensorboard_lag_from_trainer_log_line_to_served_point(watched):
