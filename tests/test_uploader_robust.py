@@ -5,6 +5,7 @@ writes no progress.json still ends with COMPLETE."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -155,6 +156,18 @@ def kill_watcher(pod, uri: str, not_this: int | None = None) -> int:
     return pids[0]
 
 
+@contextlib.contextmanager
+def pod_of(run, **env):
+    """A started pod that a failing test does not leave running (it would write to the next test's S3)."""
+    pod = run.start(**env)
+    try:
+        yield pod
+    finally:
+        if pod.proc.poll() is None:
+            pod.lose_node()
+            pod.wait()
+
+
 def index_of(lines: list[str], text: str, start: int = 0) -> int:
     return next(i for i in range(start, len(lines)) if text in lines[i])
 
@@ -178,11 +191,11 @@ def test_pod_with_a_damaged_status_json_uploads_completes_and_releases_the_lease
 @pytest.mark.slow
 @needs_root
 def test_pod_restarts_an_uploader_that_died_and_the_next_checkpoint_still_reaches_s3(run):
-    pod = run.start(TRAIN_ARGS="--set train.max_steps=150")
-    pod.wait_for("uploader: step-00000005 is in S3")
-    kill_watcher(pod, run.output_uri)
-    pod.wait_for("restarting it", timeout=60)
-    assert pod.wait() == 0, pod.output
+    with pod_of(run, TRAIN_ARGS="--set train.max_steps=150") as pod:
+        pod.wait_for("is in S3")  # the watcher is at work
+        kill_watcher(pod, run.output_uri)
+        pod.wait_for("restarting it", timeout=60)
+        assert pod.wait() == 0, pod.output
     lines = pod.lines
     restarted = index_of(lines, "restarting it")
     uploaded_after = index_of(lines, "is in S3", restarted)
@@ -199,12 +212,12 @@ def test_pod_restarts_an_uploader_that_died_and_the_next_checkpoint_still_reache
 @pytest.mark.slow
 @needs_root
 def test_pod_whose_uploader_dies_again_saves_the_current_step_and_exits_75(run):
-    pod = run.start(TRAIN_ARGS="--set train.max_steps=5000 --set log.interval=1")
-    pod.wait_for("uploader: step-00000005 is in S3")
-    first = kill_watcher(pod, run.output_uri)
-    pod.wait_for("restarting it", timeout=60)
-    kill_watcher(pod, run.output_uri, not_this=first)
-    assert pod.wait() == 75, pod.output
+    with pod_of(run, TRAIN_ARGS="--set train.max_steps=5000 --set log.interval=1") as pod:
+        pod.wait_for("is in S3")
+        first = kill_watcher(pod, run.output_uri)
+        pod.wait_for("restarting it", timeout=60)
+        kill_watcher(pod, run.output_uri, not_this=first)
+        assert pod.wait() == 75, pod.output
     why = [line for line in pod.lines if "the uploader died again" in line]
     assert len(why) == 1, pod.output
     saved = pod.wait_for("finished; committing a checkpoint of it before exit")
