@@ -339,7 +339,7 @@ class AsyncSaver:
     def _pin(self, size: int) -> None:
         """Page-lock the buffer so GPU-to-CPU copies run by DMA, asynchronously (as pin_memory())."""
         base = torch.frombuffer(self._buffer, dtype=torch.uint8, count=1).data_ptr()
-        result = torch.cuda.cudart().cudaHostRegister(base, size, 0)
+        result = torch.cuda.cudart().cudaHostRegister(base, size, 1)  # 1: portable, as torch pins
         if int(result) != 0:
             self.log(f"warning: could not pin {size / 1e6:.0f} MB for checkpoint snapshots (cuda error "
                      f"{int(result)}); the copy off the GPU is slower")

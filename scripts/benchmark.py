@@ -2,11 +2,18 @@
 
     .venv/bin/python scripts/benchmark.py checkpoint        # GPT-2 124M: save, verify, load
     sudo .venv/bin/python scripts/benchmark.py restart      # a pod's restart: phases vs. bytes
+    .venv/bin/python scripts/benchmark.py checkpoint_stall  # tokens/s with checkpoints over without
 
 checkpoint: builds config/conf.yaml's model (GPT-2 124M) on the CPU, takes one AdamW step so the
 optimizer state is real, then commits a checkpoint the way train.py does (torch.save through the
 hashing writer, fsync, manifest last), verifies it and loads it back. The save must fit well inside
 torchrun's 30 s between SIGTERM and SIGKILL.
+
+checkpoint_stall: trains a 42M-parameter model (510 MB of weights and AdamW state) with train.py,
+three times: with no checkpoint, with one every N steps saved synchronously (checkpoint.async_save:
+false) and in the background (true). N is chosen so that a synchronous save costs 20% of the
+interval. Prints each run's tokens/s over the same window of steps (wall clock, saves included)
+and the ratios to the run without checkpoints.
 
 restart: trains a ~13M-parameter model for 2 steps through the real job.yaml (local pod runner,
 local S3), then starts the Job's next pod with one more step to do, and compares each phase of
@@ -69,6 +76,104 @@ def bench_checkpoint() -> None:
     print(f"  load (weights and optimizer state):                   {loaded:.1f} s")
 
 
+STALL_MODEL = {"model__n_layer": 6, "model__n_head": 12, "model__n_embd": 768, "model__block_size": 64,
+               "model__vocab_size": 256, "model__dropout": 0.0, "train__batch_size": 1,
+               "train__grad_accum_steps": 1, "train__warmup_steps": 1, "log__interval": 1, "checkpoint__keep": 2}
+STALL_SHARE = 0.2  # of an interval that a synchronous save takes
+STALL_SAVES = 4  # saves inside the measured window
+
+
+def bench_checkpoint_stall() -> None:
+    from podlab import write_config, write_corpus
+
+    folder = Path(tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR")))
+    data = write_corpus(folder / "data")
+    step_s, save_s, size = calibrate_stall(folder)
+    every = max(2, round(save_s / STALL_SHARE * (1 - STALL_SHARE) / step_s))
+    last = every * (STALL_SAVES + 1) + 1
+    print(f"model: 6 layers of 768, checkpoint {size / 1e6:.0f} MB; a step {step_s:.2f}s, a synchronous save "
+          f"{save_s:.2f}s: a checkpoint every {every} steps, window steps {every}..{every * (STALL_SAVES + 1)} "
+          f"({STALL_SAVES} saves); load average before: {os.getloadavg()[0]:.1f}")
+    speeds = {}
+    for name, overrides in (("none", {"checkpoint__interval": last, "eval__interval": last}),
+                            ("sync", {"checkpoint__interval": every, "checkpoint__async_save": False}),
+                            ("async", {"checkpoint__interval": every, "checkpoint__async_save": True})):
+        overrides.setdefault("eval__interval", every * (last // every + 1))
+        cfg = write_config(folder / f"{name}.yaml", train__max_steps=last, eval__steps=1,
+                           **{**STALL_MODEL, **overrides})
+        speeds[name] = window_speed(cfg, data, folder / name, every, every * (STALL_SAVES + 1))
+        print(f"  {name:<5} {speeds[name]:8.0f} tokens/s (load average {os.getloadavg()[0]:.1f})")
+        shutil.rmtree(folder / name)
+    shutil.rmtree(folder)
+    print(f"checkpoint_stall: async/none = {speeds['async'] / speeds['none']:.3f}, "
+          f"sync/none = {speeds['sync'] / speeds['none']:.3f}")
+
+
+def calibrate_stall(folder: Path) -> tuple[float, float, int]:
+    """Seconds of one training step and of one synchronous save of the stall model, and its size."""
+    import torch
+
+    import async_save
+    import checkpoint
+    import config
+    from model import GPT
+    from podlab import write_config
+
+    cfg = config.load(write_config(folder / "calibration.yaml", **STALL_MODEL))
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    optimizer = model.make_optimizer(0.1, 6e-4, (0.9, 0.95), "cpu")
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.block_size))
+    times = []
+    for _ in range(4):
+        started = time.monotonic()
+        _, loss = model(x, x)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.monotonic() - started)
+    started = time.monotonic()
+    final = async_save.write_step(folder / "calibration", checkpoint.step_dir_name(1), model.state_dict(),
+                                  {"optimizer": optimizer.state_dict(), "step": 1}, {"step": 1}, False, 1)
+    saved = time.monotonic() - started
+    size = sum(p.stat().st_size for p in final.iterdir())
+    shutil.rmtree(folder / "calibration")
+    return sorted(times)[1], saved, size
+
+
+def window_speed(cfg: Path, data: Path, out: Path, first: int, last: int) -> float:
+    """Tokens/s of train.py between the log lines of steps `first` and `last` (wall clock, so the
+    saves in between count; the save after `last` does not)."""
+    import config
+
+    tokens_per_step = config.load(cfg).tokens_per_step
+    command = [sys.executable, str(ROOT / "code" / "train.py"), "--config", str(cfg), "--data_dir", str(data),
+               "--output_dir", str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    seen = {}
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        for step in (first, last):
+            if f" step {step}/" in line:
+                seen[step] = time.monotonic()
+    assert proc.wait() == 0 and len(seen) == 2, "".join(lines[-20:])
+    saves = [float(m.group(1)) for m in map(COMMITTED.search, lines) if m]
+    copies = [float(m.group(1)) for m in map(COPIED.search, lines) if m]
+    waits = [float(m.group(1)) for m in map(WAITED.search, lines) if m]
+    if saves:
+        print(f"        saves took {sum(saves) / len(saves):.2f}s on average ({len(saves)})"
+              + (f"; training waited {sum(copies) / len(copies):.2f}s per copy" if copies else "")
+              + (f", {len(waits)} times {sum(waits) / len(waits):.2f}s for a save in flight" if waits else ""))
+    return tokens_per_step * (last - first) / (seen[last] - seen[first])
+
+
+COMMITTED = re.compile(r"committed: [\d.]+ MB in ([\d.]+)s")
+COPIED = re.compile(r"training waited ([\d.]+)s for the copy")
+WAITED = re.compile(r"waited ([\d.]+)s for checkpoint")
+
+
 PHASE = re.compile(r"script: (.+): done in ([\d.]+)s")
 
 
@@ -105,9 +210,9 @@ def measure_restart(s3, endpoint: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["checkpoint", "restart"])
+    parser.add_argument("what", choices=["checkpoint", "restart", "checkpoint_stall"])
     args = parser.parse_args(argv)
-    bench_checkpoint() if args.what == "checkpoint" else bench_restart()
+    {"checkpoint": bench_checkpoint, "restart": bench_restart, "checkpoint_stall": bench_checkpoint_stall}[args.what]()
     return 0
 
 
