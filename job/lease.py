@@ -22,7 +22,7 @@ the operator's business.
     python lease.py acquire S3_OUTPUT_URI STATE_FILE   # waits while another live pod holds it
     exit 0: held (token in STATE_FILE; or S3_LEASE=off), 3: the run is already COMPLETE, 64/75: errors
 
-Environment: LEASE_TTL_SECONDS (120, at least 3), LEASE_WAIT_SECONDS (3000), S3_LEASE (on|off).
+Environment: LEASE_TTL_SECONDS (30, at least 3), LEASE_WAIT_SECONDS (3000), S3_LEASE (on|off).
 """
 
 from __future__ import annotations
@@ -75,7 +75,11 @@ def _seconds(environ, name: str, default: str, minimum: float, rule: str) -> flo
 
 
 def ttl_seconds(environ=None) -> float:
-    return _seconds(environ, "LEASE_TTL_SECONDS", "120", MIN_TTL_SECONDS,
+    # 30 s: a lost node (no EXIT trap to release it) keeps the next pod waiting at most this long.
+    # Shorter costs a healthy pod nothing in an outage: a renewal that fails loses the lease only
+    # if another pod takes it over (the If-Match on this pod's ETag), and only writes, never
+    # training, wait while it is stale.
+    return _seconds(environ, "LEASE_TTL_SECONDS", "30", MIN_TTL_SECONDS,
                     f"a number of seconds, at least {MIN_TTL_SECONDS:.0f} (the lease is renewed every third of it)")
 
 
@@ -301,6 +305,15 @@ class NoLease:
             self.path.unlink(missing_ok=True)
 
 
+def renewal_delay(every: float, failures: int) -> float:
+    """Seconds to the next renewal (before jitter): every ttl/3 while renewals land; after one
+    fails, 1 s, then doubling to once a minute. A hiccup is retried at once, so the lease stays
+    fresh (writes wait while it is not) and unexpired in S3; a long outage costs a request a minute."""
+    if failures == 0:
+        return every
+    return min(60.0, 2.0 ** (failures - 1))
+
+
 class Keeper(threading.Thread):
     """Renews the lease every ttl/3 in the background; remembers if it was lost."""
 
@@ -313,19 +326,23 @@ class Keeper(threading.Thread):
     def run(self) -> None:
         if not self.lease.held:
             return
-        every = delay = self.lease.ttl / 3
+        every, failures = self.lease.ttl / 3, 0
+        delay = every
         while not self._stop_event.wait(delay):
             try:
                 self.lease.renew()
-                delay = every
+                failures = 0
             except LeaseLost as err:
                 self.lost = err
                 log("lease", f"error: {err}")
                 return
             except Exception as err:  # noqa: BLE001 - an outage: back off; writes check freshness
-                delay = min(60.0, delay * 2) * random.uniform(0.5, 1.0)
-                log("lease", f"renewal failed ({s3lib.explain(err, self.lease.run.bucket)}); "
-                             f"again in {delay:.0f}s")
+                failures += 1
+                problem = s3lib.explain(err, self.lease.run.bucket)
+            delay = renewal_delay(every, failures)
+            if failures:
+                delay *= random.uniform(0.5, 1.0)
+                log("lease", f"renewal failed ({problem}); again in {delay:.0f}s")
 
     def check(self, retry=None) -> None:
         """Raise LeaseLost unless this pod may write now (s3.Unavailable if S3 cannot say)."""

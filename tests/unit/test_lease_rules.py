@@ -16,7 +16,7 @@ RUN = Location.parse("s3://bucket/runs/r/")
 
 
 @pytest.mark.parametrize("value,expected", [
-    (None, 120.0), ("", 120.0), ("120", 120.0), ("3", 3.0), ("4", 4.0), ("90.5", 90.5), (" 60 ", 60.0),
+    (None, 30.0), ("", 30.0), ("120", 120.0), ("3", 3.0), ("4", 4.0), ("90.5", 90.5), (" 60 ", 60.0),
 ])
 def test_ttl_accepts_seconds_from_the_floor_up(value, expected):
     environ = {} if value is None else {"LEASE_TTL_SECONDS": value}

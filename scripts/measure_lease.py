@@ -1,0 +1,99 @@
+"""What the lease's TTL costs, both ways, through the real job.yaml (local pod runner, local S3).
+
+    sudo .venv/bin/python scripts/measure_lease.py kill 120 30    # kill_to_training_s per LEASE_TTL_SECONDS
+    sudo .venv/bin/python scripts/measure_lease.py outage 30      # a 2-minute S3 outage under a live pod
+
+kill: a pod trains; once a checkpoint is in S3 its PID 1 gets SIGKILL (a lost node: no EXIT trap,
+the lease stays in S3); then the Job's next pod starts at once. Prints the seconds from the
+SIGKILL to the next pod's first training step, and how long that pod waited for the lease.
+
+outage: as tests/test_reliability.py's outage test, with the TTL given: a pod talks to S3 through
+scripts/s3_fault_proxy.py, S3 goes away for 120 s during training. Prints the exit code, the steps
+trained during the outage, the requests sent during it, and whether the lease was ever lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # podlab puts code/ there too
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from podlab import Run, local_s3  # noqa: E402
+
+LONG = "--set train.max_steps=100000 --set log.interval=1"
+WAITED = re.compile(r"waited ([0-9.]+)s")
+
+
+def kill_to_training(s3, endpoint: str, folder: Path, ttl: int) -> tuple[float, float]:
+    run = Run(s3, endpoint, folder / f"ttl-{ttl}", name=f"ttl-{ttl}").stage()
+    pod = run.start(LEASE_TTL_SECONDS=str(ttl), TRAIN_ARGS=LONG)
+    pod.wait_for("uploader: step-", timeout=300)
+    killed = time.monotonic()
+    pod.lose_node()
+    pod.wait()
+    second = run.start(LEASE_TTL_SECONDS=str(ttl), TRAIN_ARGS=LONG)
+    try:
+        second.wait_for("train: resumed from", timeout=ttl + 300)
+        second.wait_for("train: step ", timeout=120)
+        took = time.monotonic() - killed
+        waited = float(WAITED.search(second.wait_for("holding the lease")).group(1))
+    finally:
+        second.delete()
+        second.wait()
+    return took, waited
+
+
+def outage(s3, endpoint: str, folder: Path, ttl: int) -> dict:
+    from s3_fault_proxy import FaultProxy
+
+    run = Run(s3, endpoint, folder / f"outage-{ttl}", name=f"outage-{ttl}").stage()
+    with FaultProxy(upstream=endpoint, seed=7) as proxy:
+        run.endpoint = proxy.url
+        pod = run.start(LEASE_TTL_SECONDS=str(ttl), S3_RETRY_SECONDS="600",
+                        TRAIN_ARGS="--set train.max_steps=400 --set log.interval=20")
+        pod.wait_for("uploader: step-", timeout=300)
+        trained_before = _steps(pod.output)
+        proxy.configure(outage=True, outage_seconds=120)
+        started = time.monotonic()
+        time.sleep(120)
+        trained_during = _steps(pod.output) - trained_before
+        code = pod.wait(timeout=900)
+        after = time.monotonic() - started - 120
+        during = [r for r in proxy.stats()["recent"] if started <= r[0] <= started + 120 and r[3] == "outage"]
+    lost = [line for line in pod.lines if "another pod" in line or "lease lost" in line.lower()]
+    return {"exit_code": code, "complete": "COMPLETE" in run.keys(),
+            "steps_trained_during_outage": trained_during, "requests_during_outage": len(during),
+            "seconds_from_outage_end_to_pod_end": round(after, 1), "lease_lost_lines": lost,
+            "newest_committed": run.committed_steps()[:1]}
+
+
+def _steps(output: str) -> int:
+    found = re.findall(r"train: step (\d+)/", output)
+    return int(found[-1]) if found else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["kill", "outage"])
+    parser.add_argument("ttls", nargs="+", type=int)
+    args = parser.parse_args()
+    import boto3
+
+    with local_s3() as endpoint, tempfile.TemporaryDirectory() as tmp:
+        s3 = boto3.client("s3", endpoint_url=endpoint)
+        for ttl in args.ttls:
+            if args.what == "kill":
+                took, waited = kill_to_training(s3, endpoint, Path(tmp), ttl)
+                print(f"LEASE_TTL_SECONDS={ttl}: kill_to_training_s {took:.1f} (lease wait {waited:.1f}s)", flush=True)
+            else:
+                print(f"LEASE_TTL_SECONDS={ttl}: 120 s outage: {outage(s3, endpoint, Path(tmp), ttl)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
