@@ -447,11 +447,14 @@ class Chore:
             return not isinstance(err, s3lib.Unavailable)
 
 
-def run_round(chores: list[Chore]) -> float:
+def run_round(chores: list[Chore], stopping: threading.Event | None = None) -> float:
     """The chores that are due, in order; the seconds to wait before the next round. S3 being
     unreachable is every chore's problem: the round stops there and all wait out that backoff
-    together (one retrying client at a time, not a hot loop through a long outage)."""
+    together (one retrying client at a time, not a hot loop through a long outage). A stop asked
+    for meanwhile ends the round too: the final upload does the rest, inside the grace period."""
     for chore in chores:
+        if stopping is not None and stopping.is_set():
+            break
         if not chore.run_if_due():
             return max(POLL_SECONDS, chore.due - time.monotonic())
     return POLL_SECONDS
@@ -468,7 +471,7 @@ def watch(uploader: Uploader, interval: float) -> int:
               Chore("logs and events", uploader.sync_growing_files, interval)]
     while not stopping.is_set():
         try:
-            pause = run_round(chores)
+            pause = run_round(chores, stopping)
         except LeaseLost as err:
             log("uploader", f"error: {err}")
             os.kill(os.getppid(), signal.SIGTERM)  # the bootstrap stops the trainer

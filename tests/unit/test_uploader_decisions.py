@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 import uploader
@@ -136,3 +138,12 @@ def test_a_damaged_file_does_not_stop_the_round():
               uploader.Chore("checkpoints", lambda: ran.append("checkpoints"), 0.0)]
     assert uploader.run_round(chores) == uploader.POLL_SECONDS
     assert ran == ["checkpoints"]
+
+
+def test_a_stop_asked_for_mid_round_ends_the_round():
+    stopping = threading.Event()
+    ran = []
+    chores = [uploader.Chore("checkpoints", lambda: (ran.append("checkpoints"), stopping.set()), 0.0),
+              uploader.Chore("status.json", lambda: ran.append("status"), 0.0)]
+    uploader.run_round(chores, stopping)
+    assert ran == ["checkpoints"], "the final upload does the rest"
