@@ -41,11 +41,12 @@ from pathlib import Path
 
 import botocore.exceptions
 
+import contract
 import s3 as s3lib
 from s3 import Location, log
 
-KEY = "lease.json"
-EXIT_COMPLETE = 3
+KEY = contract.LEASE_KEY
+EXIT_COMPLETE = contract.EXIT_COMPLETE_FOUND
 # Renewal runs every ttl/3: under 3 s it would ask S3 more than once a second, and one slow answer
 # would cost the lease.
 MIN_TTL_SECONDS = 3.0
@@ -364,7 +365,7 @@ def _server_time(answer: dict) -> datetime:
 def main(argv: list[str]) -> int:
     if len(argv) != 3 or argv[0] != "acquire":
         print("usage: lease.py acquire S3_OUTPUT_URI STATE_FILE", file=sys.stderr)
-        return s3lib.EXIT_BAD_INPUT
+        return contract.EXIT_BAD_INPUT
 
     def run() -> int:
         where = Location.parse(argv[1])

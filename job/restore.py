@@ -27,6 +27,7 @@ from pathlib import Path
 import botocore.exceptions
 
 import checkpoint  # the runtime's own copy of the protocol, never the user's upload
+import contract
 import s3 as s3lib
 from s3 import Location, log
 
@@ -162,7 +163,7 @@ def fetch(s3, where: Location, name: str, target: Path) -> bool:
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: restore.py S3_OUTPUT_URI OUTPUT_DIR", file=sys.stderr)
-        return s3lib.EXIT_BAD_INPUT
+        return contract.EXIT_BAD_INPUT
 
     def run() -> int:
         restore(s3lib.client(), Location.parse(argv[0]), Path(argv[1]))

@@ -19,8 +19,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
-EXIT_BAD_INPUT = 64
-EXIT_UNAVAILABLE = 75  # EX_TEMPFAIL: S3 stayed unreachable; the Job's next pod may fare better
+from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE  # noqa: F401 - the helpers' exit codes, named here too
 
 # Large parts: fewer requests, and S3 servers (moto included) that re-read an object per ranged
 # GET stay fast.

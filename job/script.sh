@@ -40,8 +40,14 @@
 # shellcheck disable=SC2329 # most functions run indirectly: through phase, traps and run_child
 set -o errexit -o nounset -o pipefail -o errtrace
 
+# The contract's exit codes (job/contract.py says who decides each; tests/unit/test_contract.py
+# keeps these equal to it).
+readonly EXIT_DONE=0
 readonly EXIT_BAD_INPUT=64
 readonly EXIT_UNAVAILABLE=75
+readonly EXIT_COMPLETE_FOUND=3
+readonly EXIT_SIGINT=130
+readonly EXIT_SIGTERM=143
 JOB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 readonly JOB_DIR
 
@@ -102,7 +108,7 @@ on_signal() {
   fi
 }
 
-signal_exit_code() { [[ "${STOP_SIGNAL}" == INT ]] && echo 130 || echo 143; }
+signal_exit_code() { [[ "${STOP_SIGNAL}" == INT ]] && echo "${EXIT_SIGINT}" || echo "${EXIT_SIGTERM}"; }
 
 # A signal that came while no child ran to receive it still stops the pod.
 stop_if_asked() {
@@ -504,8 +510,8 @@ take_lease() {
   local code=0
   run_child "${PYTHON}" "${JOB_DIR}/lease.py" acquire "${S3_OUTPUT_URI}" "${STATE_DIR}/lease.json" || code=$?
   case "${code}" in
-    0) LEASE_HELD=1 ;;
-    3) log "another pod finished this run meanwhile: ${S3_OUTPUT_URI}COMPLETE"; exit 0 ;;
+    "${EXIT_DONE}") LEASE_HELD=1 ;;
+    "${EXIT_COMPLETE_FOUND}") log "another pod finished this run meanwhile: ${S3_OUTPUT_URI}COMPLETE"; exit "${EXIT_DONE}" ;;
     *) exit "${code}" ;;
   esac
 }
@@ -627,7 +633,7 @@ finish() {
     log "final upload (trainer exit ${code})..."
     "${PYTHON}" "${JOB_DIR}/uploader.py" final "${S3_OUTPUT_URI}" "${OUTPUT_DIR}" "${code}" || upload=$?
     log "final upload: done in $(elapsed_since "${started}") (exit ${upload})"
-    if ((upload != 0)) && ((code == 0 || code == 130 || code == 143)); then
+    if ((upload != 0)) && ((code == EXIT_DONE || code == EXIT_SIGINT || code == EXIT_SIGTERM)); then
       code=${upload}
     fi
     stop_heartbeat

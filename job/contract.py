@@ -1,0 +1,119 @@
+"""The pod's contract, in one place: its exit codes and who decides each, the files the runtime and
+a trainer share, the objects it keeps in S3, and the events a tool may rely on.
+
+job/script.sh mirrors the exit codes as `readonly EXIT_*` (bash cannot import this);
+tests/unit/test_contract.py asserts the two agree. Everything else imports from here.
+
+Standard library only: the image's python3 reads it before the pod's Python is chosen.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+# -- exit codes --------------------------------------------------------------------------------
+# The pod's (PID 1's) code is the Job's signal: job.yaml's podFailurePolicy fails the Job on 64,
+# and counts any other failure against backoffLimit.
+
+EXIT_DONE = 0
+"""The run is finished: COMPLETE is in S3 (uploader.py final wrote it, or it was there already)."""
+
+EXIT_BAD_INPUT = 64
+"""EX_USAGE: no retry can pass (a setting, the code, data, a bucket, credentials). Decided by
+script.sh's checks, s3.py's error table (BadInput) and the trainer's own checks."""
+
+EXIT_UNAVAILABLE = 75
+"""EX_TEMPFAIL: a retry may pass. Decided by s3.py (S3 unreachable past S3_RETRY_SECONDS:
+Unavailable), uploader.py (the lease lost: another pod writes now; `final` could not put
+COMPLETE), script.sh (the uploader died twice; the package index unreachable)."""
+
+EXIT_LEASE_LOST = EXIT_UNAVAILABLE
+"""uploader.py: another pod took the run's lease; this one stops writing, the Job's next pod goes on."""
+
+EXIT_COMPLETE_FOUND = 3
+"""Internal, never the pod's: lease.py acquire found COMPLETE while it waited; script.sh exits 0."""
+
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+"""After SIGINT (SIGTERM): the trainer committed its step and the final upload ran (script.sh)."""
+
+EXIT_TRAINER_FAILED = 1
+"""Any other code is the trainer's own (torchrun's workers' first error); 1 is its usual crash."""
+
+EXIT_KILLED = 137
+"""SIGKILL (node lost, OOM, liveness probe): decided by nobody in the pod; the next pod resumes."""
+
+EXIT_CODES = {
+    "EXIT_DONE": EXIT_DONE, "EXIT_BAD_INPUT": EXIT_BAD_INPUT, "EXIT_UNAVAILABLE": EXIT_UNAVAILABLE,
+    "EXIT_COMPLETE_FOUND": EXIT_COMPLETE_FOUND, "EXIT_SIGINT": EXIT_SIGINT, "EXIT_SIGTERM": EXIT_SIGTERM,
+}
+
+
+def signal_exit_code(signum: int) -> int:
+    return 128 + signum
+
+
+# -- what a trainer and the runtime share, under OUTPUT_DIR (WORK_DIR/out) ----------------------
+# A trainer MUST commit checkpoints as CHECKPOINTS_DIR/step-NNNNNNNN/ with MANIFEST written last
+# (checkpoint.py does it). It MAY write PROGRESS_FILE (then COMPLETE waits for its max_steps;
+# status.py shows it), TENSORBOARD_DIR (uploaded as it grows), CHECKPOINTS_DIR/best/, and touch
+# $HEALTH_FILE (else the pod's own heartbeat stands in for it). Nothing else is read.
+
+CHECKPOINTS_DIR = "checkpoints"
+MANIFEST = "manifest.json"
+PROGRESS_FILE = "progress.json"   # {"step", "max_steps", losses, ms_per_step, eta...}: optional
+TENSORBOARD_DIR = "tensorboard"   # optional
+
+# -- the pod's own files, under STATE_DIR (WORK_DIR/.pod) ---------------------------------------
+
+LEASE_STATE = "lease.json"        # lease.py acquire writes it once held: script.sh knows it holds one
+POD_LOG = "pod.log"
+TRAINER_ERROR = "trainer-error.json"  # TORCHELASTIC_ERROR_FILE: the worker's exit code and message
+READY_FILE_DEFAULT = "/tmp/ready"     # startup probe: touched once restored
+HEALTH_FILE_DEFAULT = "/tmp/healthy"  # liveness probe: the heartbeat, touched every 5 s and per step
+
+# -- the run's objects in S3, under S3_OUTPUT_URI ----------------------------------------------
+
+LEASE_KEY = "lease.json"          # one writer per prefix (lease.py)
+STATUS_KEY = "status.json"        # attempts and state, for status.py (uploader.py)
+COMPLETE_KEY = "COMPLETE"         # written last of all: the run is finished (a summary in JSON)
+LOGS_PREFIX = "logs/"             # logs/attempt-NNNN-POD/NNNNNNNN.log
+
+# -- events ------------------------------------------------------------------------------------
+# One line each on the pod's output (and so in `kubectl logs` and the log in S3): EVENT_PREFIX and a
+# JSON object with "event", "source" and "time" (Unix seconds). Tools match these, never prose.
+#   phase       name, state ("start" | "done"), seconds (done)      script.sh: check S3 access,
+#               sync code, sync data, sync model, python environment, take the run's lease, restore
+#               checkpoint
+#   ready       seconds (from the pod's start to training)            script.sh
+#   lease       state ("held" | "off" | "complete")                  lease.py
+#   restore     step (the step restored, or null: from step 0)       restore.py
+#   uploaded    step, name (a checkpoint committed in S3)            uploader.py
+#   complete    step (COMPLETE written)                              uploader.py
+#   exit        code, seconds                                        script.sh, last line
+EVENT_PREFIX = "EVENT "
+EVENTS = ("phase", "ready", "lease", "restore", "uploaded", "complete", "exit")
+
+
+def event(kind: str, source: str, /, **fields) -> None:
+    """Print one event line (flushed: the tools wait on it)."""
+    record = {"event": kind, "source": source, "time": round(time.time(), 3), **fields}
+    print(EVENT_PREFIX + json.dumps(record, sort_keys=True), file=sys.stdout, flush=True)
+
+
+def parse_event(line: str) -> dict | None:
+    """The event a line carries, or None (prose, or not an object)."""
+    line = line.strip()
+    if not line.startswith(EVENT_PREFIX):
+        return None
+    try:
+        record = json.loads(line[len(EVENT_PREFIX):])
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "event" in record else None
+
+
+def matches(record: dict | None, kind: str, /, **fields) -> bool:
+    return record is not None and record.get("event") == kind and all(record.get(k) == v for k, v in fields.items())

@@ -1,0 +1,60 @@
+"""job/contract.py is the one owner of the exit codes: script.sh's `readonly EXIT_*` (bash cannot
+import it) must equal it, and the Python helpers must use it rather than their own numbers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import contract
+import lease
+import s3
+import uploader
+
+SCRIPT = Path(__file__).resolve().parents[2] / "job" / "script.sh"
+
+
+def bash_exit_codes() -> dict[str, int]:
+    return {name: int(value) for name, value in
+            re.findall(r"^readonly (EXIT_[A-Z_]+)=([0-9]+)$", SCRIPT.read_text(), flags=re.M)}
+
+
+def test_script_sh_declares_every_contract_exit_code_with_the_same_value():
+    assert bash_exit_codes() == contract.EXIT_CODES
+
+
+def test_script_sh_names_no_exit_code_the_contract_lacks():
+    assert set(bash_exit_codes()) <= set(contract.EXIT_CODES)
+
+
+@pytest.mark.parametrize("module,name,contract_name", [
+    (s3, "EXIT_BAD_INPUT", "EXIT_BAD_INPUT"),
+    (s3, "EXIT_UNAVAILABLE", "EXIT_UNAVAILABLE"),
+    (lease, "EXIT_COMPLETE", "EXIT_COMPLETE_FOUND"),
+    (lease, "KEY", "LEASE_KEY"),
+    (uploader, "EXIT_LEASE_LOST", "EXIT_LEASE_LOST"),
+])
+def test_the_helpers_take_their_codes_and_names_from_the_contract(module, name, contract_name):
+    assert getattr(module, name) == getattr(contract, contract_name)
+
+
+@pytest.mark.parametrize("line,expected", [
+    ('EVENT {"event": "phase", "name": "sync code", "state": "done"}',
+     {"event": "phase", "name": "sync code", "state": "done"}),
+    ('EVENT {"event": "exit", "code": 0}\n', {"event": "exit", "code": 0}),
+    ("2026-01-01T00:00:00Z script: sync code: done in 0.1s", None),   # prose
+    ("EVENT not json", None),
+    ('EVENT ["event"]', None),                                         # not an object
+    ('EVENT {"name": "x"}', None),                                     # no event name
+])
+def test_parse_event(line, expected):
+    assert contract.parse_event(line) == expected
+
+
+def test_an_event_printed_is_parsed_back(capsys):
+    contract.event("uploaded", "uploader", step=5, name="step-00000005")
+    record = contract.parse_event(capsys.readouterr().out)
+    assert contract.matches(record, "uploaded", step=5, source="uploader")
+    assert not contract.matches(record, "uploaded", step=6)
