@@ -9,9 +9,10 @@ other bytes (a redone step) is uncommitted first. S3 keeps what the trainer keep
 `keep` committed folders plus best/ (copied server-side when it is a step already in S3); the
 newest is never deleted.
 
-Every SYNC_INTERVAL_SECONDS: TensorBoard event files (up to their last whole record: a file being
-written never goes up cut mid-record), this attempt's log (up to its last whole line), and
-status.json, the run's state for scripts/status.py. `final` does one last round; after exit code 0
+Every SYNC_INTERVAL_SECONDS: what the TensorBoard event files (up to their last whole record: a
+file being written never goes up cut mid-record) and this attempt's log (up to its last whole line)
+gained since the last round, each as a new object (FILE.NNNNNNNN, logs/attempt-NNNN-POD/NNNNNNNN.log),
+and status.json, the run's state for scripts/status.py. `final` does one last round; after exit code 0
 it writes COMPLETE, last of all, once the trainer's last step is in S3 (the step progress.json
 reports as max_steps; for a trainer that writes no progress.json, its newest committed step).
 
