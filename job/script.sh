@@ -48,6 +48,9 @@ readonly EXIT_UNAVAILABLE=75
 readonly EXIT_COMPLETE_FOUND=3
 readonly EXIT_SIGINT=130
 readonly EXIT_SIGTERM=143
+# lease.py acquire writes this file in STATE_DIR once it holds the lease (contract.LEASE_STATE):
+# its presence is how this script knows, even when lease.py was stopped before it could say so.
+readonly LEASE_STATE=lease.json
 JOB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 readonly JOB_DIR
 
@@ -355,7 +358,7 @@ validate_settings() {
   # Python (tempfile) silently falls back to /tmp when TMPDIR does not exist: make it first.
   TMPDIR=${WORK_DIR}/.tmp
   mkdir -p "${DATA_DIR}" "${OUTPUT_DIR}" "${STATE_DIR}" "${TMPDIR}"
-  rm -f "${STATE_DIR}/lease.json"  # an earlier pod's, on a WORK_DIR that outlives pods
+  rm -f "${STATE_DIR}/${LEASE_STATE}"  # an earlier pod's, on a WORK_DIR that outlives pods
   check_train_args
   export WORK_DIR CODE_DIR STATE_DIR LOG_FILE HEALTH_FILE TMPDIR
   export PYTHONUNBUFFERED=1
@@ -382,9 +385,15 @@ permanent_s3_error() {
 }
 
 # Retries transient S3 errors with exponential backoff and jitter for up to S3_RETRY_SECONDS.
+#   s3_retry [--output FILE] URI command...   (FILE keeps the last try's output for the caller)
 s3_retry() {
+  local output="${STATE_DIR}/s3-command.out"
+  if [[ "$1" == --output ]]; then
+    output=$2
+    shift 2
+  fi
   local uri=$1; shift
-  local output="${STATE_DIR}/s3-command.out" started=${SECONDS} delay=2 attempt=1
+  local started=${SECONDS} delay=2 attempt=1
   local deadline=$((SECONDS + S3_RETRY_SECONDS))
   while true; do
     if run_child --output "${output}" "$@"; then
@@ -447,10 +456,11 @@ check_access() {
     bucket=$(bucket_of "${uri}")
     [[ "${checked}" != *" ${bucket} "* ]] || continue
     if [[ "${bucket}" == "${output_bucket}" ]]; then
-      s3_retry "${uri}" aws s3api list-objects-v2 --bucket "${bucket}" --prefix "$(complete_key)" \
-        --max-keys 1 --query 'Contents[0].Key' --output text
+      local first_key="${STATE_DIR}/complete-check.out"
+      s3_retry --output "${first_key}" "${uri}" aws s3api list-objects-v2 --bucket "${bucket}" \
+        --prefix "$(complete_key)" --max-keys 1 --query 'Contents[0].Key' --output text
       # Keys sort by bytes: the first under the prefix .../COMPLETE is COMPLETE itself if it exists.
-      if grep -qxF -- "$(complete_key)" "${STATE_DIR}/s3-command.out"; then COMPLETE_FOUND=1; fi
+      if grep -qxF -- "$(complete_key)" "${first_key}"; then COMPLETE_FOUND=1; fi
     else
       s3_retry "${uri}" aws s3api head-bucket --bucket "${bucket}"
     fi
@@ -508,7 +518,7 @@ setup_python() {
 
 take_lease() {
   local code=0
-  run_child "${PYTHON}" "${JOB_DIR}/lease.py" acquire "${S3_OUTPUT_URI}" "${STATE_DIR}/lease.json" || code=$?
+  run_child "${PYTHON}" "${JOB_DIR}/lease.py" acquire "${S3_OUTPUT_URI}" "${STATE_DIR}/${LEASE_STATE}" || code=$?
   case "${code}" in
     "${EXIT_DONE}") LEASE_HELD=1 ;;
     "${EXIT_COMPLETE_FOUND}") log "another pod finished this run meanwhile: ${S3_OUTPUT_URI}COMPLETE"; exit "${EXIT_DONE}" ;;
@@ -595,25 +605,20 @@ run_trainer() {
   if ((UPLOADER_GAVE_UP && code != 0)); then
     return "${UPLOADER_GAVE_UP}"  # said when it was decided
   fi
-  if ((code != 0)) && [[ -f "${error_file}" ]]; then
-    # torchrun exits 1 whatever its workers' codes; their root cause carries the real one.
-    local worker
-    worker=$("${PYTHON}" -c 'import json, sys; print(json.load(open(sys.argv[1]))["message"].get("errorCode", ""))' "${error_file}" 2>/dev/null || true)
-    [[ -z "${worker}" ]] || code=${worker}
-  fi
+  ((code != 0)) || return 0
+  # torchrun exits 1 whatever its workers' codes; their root cause carries the real one.
+  local report worker message
+  report=$("${PYTHON}" "${JOB_DIR}/trainer_error.py" "${error_file}" 2>/dev/null) || report=$'\nsee its traceback above'
+  worker=${report%%$'\n'*}
+  message=${report#*$'\n'}
+  [[ -z "${worker}" ]] || code=${worker}
   if ((code == EXIT_BAD_INPUT)); then
     # Said once by the trainer; said again here, below torchrun's report, for `kubectl logs --tail`.
-    log "the trainer stopped on bad input (exit 64): $(worker_message "${error_file}")"
+    log "the trainer stopped on bad input (exit ${EXIT_BAD_INPUT}): ${message}"
   elif ((code != 0)); then
-    log "error: the trainer failed with exit ${code}: $(worker_message "${error_file}")" >&2
+    log "error: the trainer failed with exit ${code}: ${message}" >&2
   fi
   return "${code}"
-}
-
-worker_message() {
-  [[ -f "$1" ]] || { echo "see its traceback above"; return 0; }
-  "${PYTHON}" -c 'import json, sys; print(json.load(open(sys.argv[1]))["message"]["message"].splitlines()[0][:300])' "$1" 2>/dev/null ||
-    echo "see its traceback above"
 }
 
 # -- the end, whatever it is --------------------------------------------------------------------
@@ -622,7 +627,7 @@ finish() {
   local code=$?
   trap '' TERM INT  # the grace period is for this final upload: no second interruption
   # lease.py may have taken the lease and been stopped before it could say so.
-  [[ ! -f "${STATE_DIR:-/nonexistent}/lease.json" ]] || LEASE_HELD=1
+  [[ ! -f "${STATE_DIR:-/nonexistent}/${LEASE_STATE}" ]] || LEASE_HELD=1
   stop_heartbeat
   [[ -z "${TRAINER_PID}" ]] || kill -s TERM "${TRAINER_PID}" 2>/dev/null || true
   if ((LEASE_HELD)); then

@@ -58,3 +58,13 @@ def test_an_event_printed_is_parsed_back(capsys):
     record = contract.parse_event(capsys.readouterr().out)
     assert contract.matches(record, "uploaded", step=5, source="uploader")
     assert not contract.matches(record, "uploaded", step=6)
+
+
+def test_script_sh_names_the_lease_state_file_as_the_contract_does():
+    names = dict(re.findall(r"^readonly (LEASE_STATE)=(\S+)$", SCRIPT.read_text(), flags=re.M))
+    assert names == {"LEASE_STATE": contract.LEASE_STATE}
+
+
+def test_script_sh_parses_no_json_inline():
+    """JSON is read by job/*.py entry points with tests of their own, never by `python -c` strings."""
+    assert "python3 -c" not in SCRIPT.read_text() and '"${PYTHON}" -c' not in SCRIPT.read_text()
