@@ -229,10 +229,6 @@ class AsyncSaver:
         self._pinned = None
         self._in_flight: tuple[str, float] | None = None
 
-    @property
-    def in_flight(self) -> str | None:
-        return self._in_flight[0] if self._in_flight else None
-
     def submit(self, root: Path, name: str, model_state, state: dict, meta: dict, best: bool,
                keep: int) -> None:
         if self._in_flight:
@@ -279,13 +275,6 @@ class AsyncSaver:
             self._stop_process()
             self._release()
 
-    def kill(self) -> None:
-        """An error elsewhere: stop the process now (a save it had under way stays uncommitted)."""
-        if self._process and self._process.is_alive():
-            self._process.kill()
-        self._stop_process()
-        self._release()
-
     def _receive(self) -> None:
         name, submitted = self._in_flight
         try:
@@ -317,7 +306,8 @@ class AsyncSaver:
             return
         context = multiprocessing.get_context("spawn")
         ours, theirs = context.Pipe(duplex=True)
-        self._process = context.Process(target=_serve, args=(theirs, os.getpid()), name="checkpoint-saver", daemon=True)
+        self._process = context.Process(target=_serve, args=(theirs, os.getpid()), name="checkpoint-saver",
+                                        daemon=True)
         self._process.start()
         theirs.close()  # only the child holds that end now: its death reads as EOF here
         self._conn = ours

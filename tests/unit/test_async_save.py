@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import async_save
+import config
 
 
 def live_state():
@@ -77,3 +78,18 @@ def test_plan_aligns_each_tensor_to_64_bytes(sizes, offsets, total):
     tensors = [torch.zeros(n, dtype=torch.uint8) for n in sizes]  # a uint8 tensor per storage, as flatten makes
     layout, size = async_save.plan(tensors)
     assert [p.offset for p in layout] == offsets and size == total
+
+
+@pytest.mark.parametrize("text,expected", [("", True), ("checkpoint:\n  async_save: false\n", False),
+                                           ("checkpoint:\n  async_save: true\n", True)])
+def test_background_saves_are_the_default_and_can_be_turned_off(tmp_path, text, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert config.load(path).checkpoint.async_save is expected
+
+
+def test_async_save_takes_only_true_or_false(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("checkpoint:\n  async_save: sometimes\n")
+    with pytest.raises(config.ConfigError, match="checkpoint.async_save must be true or false"):
+        config.load(path)
