@@ -9,7 +9,8 @@ SIGKILL to the next pod's first training step, and how long that pod waited for 
 
 outage: as tests/test_reliability.py's outage test, with the TTL given: a pod talks to S3 through
 scripts/s3_fault_proxy.py, S3 goes away for 120 s during training. Prints the exit code, the steps
-trained during the outage, the requests sent during it, and whether the lease was ever lost.
+trained during the outage, the requests sent during it, how soon after it a newer checkpoint is in
+S3, and whether the lease was ever lost.
 """
 
 from __future__ import annotations
@@ -55,19 +56,25 @@ def outage(s3, endpoint: str, folder: Path, ttl: int) -> dict:
     with FaultProxy(upstream=endpoint, seed=7) as proxy:
         run.endpoint = proxy.url
         pod = run.start(LEASE_TTL_SECONDS=str(ttl), S3_RETRY_SECONDS="600",
-                        TRAIN_ARGS="--set train.max_steps=400 --set log.interval=20")
+                        TRAIN_ARGS="--set train.max_steps=1500 --set log.interval=20")
         pod.wait_for("uploader: step-", timeout=300)
-        trained_before = _steps(pod.output)
+        trained_before, committed_before = _steps(pod.output), run.committed_steps()[0]
         proxy.configure(outage=True, outage_seconds=120)
         started = time.monotonic()
         time.sleep(120)
+        during = [r for r in proxy.stats()["recent"] if started <= r[0] <= started + 120 and r[3] == "outage"]
         trained_during = _steps(pod.output) - trained_before
+        committed_at_end = _steps(pod.output)
+        # Uploads catch up: a checkpoint committed after the outage's end reaches S3.
+        while not run.committed_steps() or run.committed_steps()[0] <= committed_at_end:
+            time.sleep(0.5)
+        catch_up = time.monotonic() - started - 120
         code = pod.wait(timeout=900)
         after = time.monotonic() - started - 120
-        during = [r for r in proxy.stats()["recent"] if started <= r[0] <= started + 120 and r[3] == "outage"]
     lost = [line for line in pod.lines if "another pod" in line or "lease lost" in line.lower()]
-    return {"exit_code": code, "complete": "COMPLETE" in run.keys(),
+    return {"exit_code": code, "complete": "COMPLETE" in run.keys(), "newest_in_s3_before": committed_before,
             "steps_trained_during_outage": trained_during, "requests_during_outage": len(during),
+            "seconds_from_outage_end_to_a_newer_checkpoint_in_s3": round(catch_up, 1),
             "seconds_from_outage_end_to_pod_end": round(after, 1), "lease_lost_lines": lost,
             "newest_committed": run.committed_steps()[:1]}
 
