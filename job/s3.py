@@ -19,6 +19,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
+import s3_errors
 from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE  # noqa: F401 - the helpers' exit codes, named here too
 
 # Large parts: fewer requests, and S3 servers (moto included) that re-read an object per ranged
@@ -26,16 +27,6 @@ from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE  # noqa: F401 - the helper
 TRANSFER = TransferConfig(multipart_threshold=256 << 20, multipart_chunksize=256 << 20,
                           max_concurrency=8, use_threads=True)
 
-_PERMANENT = {
-    "NoSuchBucket": "bucket {bucket} does not exist; create it or fix the S3 URI",
-    "AccessDenied": "access to s3://{bucket}/ denied; give the pod's role or Secret s3:ListBucket, "
-                    "s3:GetObject, s3:PutObject and s3:DeleteObject on it",
-    "AllAccessDisabled": "access to s3://{bucket}/ denied; give the pod's role or Secret access to it",
-    "InvalidAccessKeyId": "the AWS access key is not valid for this S3; fix the credentials Secret",
-    "SignatureDoesNotMatch": "the AWS secret key does not match the access key; fix the credentials Secret",
-    "InvalidBucketName": "{bucket} is not a valid bucket name; fix the S3 URI",
-    "ExpiredToken": "the AWS session token has expired; renew the credentials Secret or use IRSA",
-}
 
 
 class BadInput(Exception):
@@ -113,15 +104,16 @@ def is_transient(err: BaseException) -> bool:
         return False
     if isinstance(err, botocore.exceptions.ClientError):
         code, status = error_code(err), http_status(err)
-        return code not in _PERMANENT and status != 501 and (
+        return not s3_errors.is_permanent(code) and status != 501 and (
             status >= 500 or status in (0, 408, 429) or code in ("SlowDown", "RequestTimeout", "Throttling"))
     return isinstance(err, (botocore.exceptions.BotoCoreError, OSError))  # OSError: resets, timeouts
 
 
 def explain(err: BaseException, bucket: str) -> str:
     """One line: what went wrong and how to fix it."""
+    where = f"s3://{bucket}/"
     if isinstance(err, botocore.exceptions.NoCredentialsError):
-        return "no AWS credentials found; create the Secret aws-credentials (see README) or give the pod an IAM role"
+        return s3_errors.explain_code("NoCredentials", where)
     if isinstance(err, botocore.exceptions.ParamValidationError):
         return f"this boto3 lacks a feature the pod needs ({err}); use boto3>=1.36 (job/requirements.txt)"
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -130,8 +122,9 @@ def explain(err: BaseException, bucket: str) -> str:
         return (f"the S3 store refused {error_code(err)} (501): the run's lease needs conditional writes "
                 "(If-None-Match, If-Match); use a store that has them")
     code = error_code(err)
-    if code in _PERMANENT:
-        return _PERMANENT[code].format(bucket=bucket)
+    line = s3_errors.explain_code(code, where)
+    if line:
+        return line
     return f"S3 error {code or type(err).__name__}: {str(err).splitlines()[0][:200]}"
 
 

@@ -50,12 +50,16 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config
 
-EXIT_BAD_INPUT = 64
-EXIT_UNAVAILABLE = 75
-STOPPED_BY_SIGNAL = (130, 143)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "job"))  # the pod's contract and S3 error table
+import contract  # noqa: E402
+import s3_errors  # noqa: E402
+
+EXIT_BAD_INPUT = contract.EXIT_BAD_INPUT
+EXIT_UNAVAILABLE = contract.EXIT_UNAVAILABLE
+STOPPED_BY_SIGNAL = (contract.EXIT_SIGINT, contract.EXIT_SIGTERM)
 LIVE_STATES = ("starting", "running")
-CHECKPOINTS = "checkpoints"
-MANIFEST = "manifest.json"
+CHECKPOINTS = contract.CHECKPOINTS_DIR
+MANIFEST = contract.MANIFEST
 PLOTTED_TAGS = ("train/loss", "val/loss")
 
 
@@ -96,22 +100,15 @@ def make_client():
 
 def explained(err: Exception, bucket: str) -> Exception:
     """The error as BadInput or Unavailable, with one line that names the cause and the fix."""
+    where = f"s3://{bucket}/"
     if isinstance(err, botocore.exceptions.NoCredentialsError):
-        return BadInput("no AWS credentials found; set AWS_PROFILE, or AWS_ACCESS_KEY_ID and "
-                        "AWS_SECRET_ACCESS_KEY")
+        return BadInput(s3_errors.explain_code("NoCredentials", where, "local"))
     if isinstance(err, botocore.exceptions.ClientError):
         code = str(err.response.get("Error", {}).get("Code", ""))
         status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-        if code == "NoSuchBucket":
-            return BadInput(f"bucket {bucket} does not exist; fix the URI "
-                            "(or AWS_ENDPOINT_URL, if it names another store)")
-        if code in ("AccessDenied", "AllAccessDisabled", "403"):
-            return BadInput(f"access to s3://{bucket}/ denied; these credentials need s3:ListBucket "
-                            "and s3:GetObject there")
-        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
-            return BadInput(f"S3 refused the AWS credentials ({code}); renew or fix them")
-        if code == "InvalidBucketName":
-            return BadInput(f"{bucket} is not a valid bucket name; fix the URI")
+        line = s3_errors.explain_code(code, where, "local")
+        if line:
+            return BadInput(line)
         if status < 500 and code not in ("SlowDown", "RequestTimeout", "Throttling"):
             return BadInput(f"S3 error {code}: {str(err).splitlines()[0][:200]}")
     endpoint = os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"

@@ -75,24 +75,21 @@ list_keys() {
   [[ -z "${endpoint}" ]] || args=(--endpoint-url "${endpoint}" "${args[@]}")
   # Few retries: an unreachable store should say so within seconds.
   output=$(AWS_RETRY_MODE=standard AWS_MAX_ATTEMPTS=2 "${aws}" "${args[@]}" 2>&1) || code=$?
+  if ((code != 0)); then
+    # The pod's one table of S3 errors no retry fixes (job/s3_errors.py), with a local user's fixes.
+    local reason
+    reason=$(python3 "${ROOT}/job/s3_errors.py" explain-cli "${uri}" --for local <<<"${output}" 2>/dev/null || true)
+    [[ -z "${reason}" ]] || die "${EXIT_BAD_INPUT}" "${reason}"
+  fi
   case "${code}:${output}" in
     0:*) sed -E 's/^[0-9-]+ [0-9:]+ +[0-9]+ //' <<<"${output}" | cut -c "$((${#prefix} + 1))-" ;;
     1:) ;;  # nothing under the prefix
-    *NoSuchBucket*)
-      die "${EXIT_BAD_INPUT}" "bucket $(bucket_of "${uri}") does not exist; fix the URI (or the endpoint, if it names another store)" ;;
-    *AccessDenied* | *Forbidden*)
-      die "${EXIT_BAD_INPUT}" "access to ${uri} denied; these credentials need s3:ListBucket and s3:GetObject there" ;;
-    *"Unable to locate credentials"*)
-      die "${EXIT_BAD_INPUT}" "no AWS credentials found; set AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" ;;
-    *InvalidAccessKeyId* | *SignatureDoesNotMatch* | *ExpiredToken*)
-      die "${EXIT_BAD_INPUT}" "S3 refused the AWS credentials; renew or fix them" ;;
     *"Could not connect"* | *"Connect timeout"* | *"Read timeout"* | *"(5"[0-9][0-9]")"*)
       die "${EXIT_UNAVAILABLE}" "S3 unreachable at ${endpoint:-AWS S3}: $(tail -n 1 <<<"${output}")" ;;
     *) die "${EXIT_BAD_INPUT}" "cannot list ${uri}: $(tail -n 1 <<<"${output}")" ;;
   esac
 }
 
-bucket_of() { local rest=${1#s3://}; echo "${rest%%/*}"; }
 
 # What --logdir or --logdir_spec TensorBoard gets for the URI, as arguments, one a line.
 logdir_args() {

@@ -447,7 +447,25 @@ def test_tensorboard_refuses_an_endpoint_without_its_scheme(lab, variable):
     assert "no http:// or https:// scheme" in result.stderr
 
 
-# -- helpers -----------------------------------------------------------------------------------------
+# The pod's one table of S3 errors (job/s3_errors.py), with a local user's fix: the same cause in
+# the same words from status.py and tensorboard.sh.
+BAD_S3 = [
+    ("no bucket", {}, "s3://no-such-bucket/runs/", "bucket no-such-bucket does not exist; create it or fix the URI"),
+    ("no credentials", {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_EC2_METADATA_DISABLED": "true"},
+     RUNS, "no AWS credentials; set AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"),
+]
+
+
+@pytest.mark.parametrize("case,env,uri,line", BAD_S3, ids=[c[0] for c in BAD_S3])
+@pytest.mark.parametrize("tool", ["status", "tensorboard"])
+def test_status_and_tensorboard_explain_s3_errors_from_the_one_table(lab, tool, case, env, uri, line):
+    env = {**tool_env(), "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent", **env}
+    if tool == "status":
+        result = run_status(uri, env=env)
+    else:
+        result = subprocess.run([str(TENSORBOARD), uri], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 64, result.stderr
+    assert line in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 def run_status(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(STATUS), *args], capture_output=True, text=True,

@@ -28,13 +28,13 @@ TRANSIENT = [
 ]
 
 PERMANENT = [
-    ("no bucket", client_error("NoSuchBucket", 404), "bucket b does not exist; create it or fix the S3 URI"),
+    ("no bucket", client_error("NoSuchBucket", 404), "bucket b does not exist; create it or fix the URI s3://b/"),
     ("denied", client_error("AccessDenied", 403), "access to s3://b/ denied"),
-    ("unknown key", client_error("InvalidAccessKeyId", 403), "the AWS access key is not valid"),
-    ("wrong secret", client_error("SignatureDoesNotMatch", 403), "the AWS secret key does not match"),
-    ("expired token", client_error("ExpiredToken", 400), "the AWS session token has expired"),
+    ("unknown key", client_error("InvalidAccessKeyId", 403), "refused by S3 (InvalidAccessKeyId); fix the Secret"),
+    ("wrong secret", client_error("SignatureDoesNotMatch", 403), "refused by S3 (SignatureDoesNotMatch)"),
+    ("expired token", client_error("ExpiredToken", 400), "refused by S3 (ExpiredToken)"),
     ("store lacks a feature", client_error("NotImplemented", 501), "needs conditional writes"),
-    ("no credentials", botocore.exceptions.NoCredentialsError(), "no AWS credentials found"),
+    ("no credentials", botocore.exceptions.NoCredentialsError(), "no AWS credentials; create the Secret aws-credentials"),
     ("full disk", OSError(errno.ENOSPC, "No space left on device"), "no space left on the workspace volume"),
     ("read-only disk", OSError(errno.EROFS, "Read-only file system"), "S3 error OSError"),
     ("other 4xx", client_error("InvalidArgument", 400), "S3 error InvalidArgument"),
