@@ -1,6 +1,11 @@
 """The pod's contract, in one place: its exit codes and who decides each, the files the runtime and
 a trainer share, the objects it keeps in S3, and the events a tool may rely on.
 
+    python3 contract.py wait LOG_FILE SECONDS KIND [key=value...]   # for shell tools (demo.sh)
+
+waits until LOG_FILE (a pod's output) holds that event, prints it as JSON and exits 0; exit 1
+after SECONDS without it (a pod that died never says it).
+
 job/script.sh mirrors the exit codes as `readonly EXIT_*` (bash cannot import this);
 tests/unit/test_contract.py asserts the two agree. Everything else imports from here.
 
@@ -86,12 +91,12 @@ LOGS_PREFIX = "logs/"             # logs/attempt-NNNN-POD/NNNNNNNN.log
 # JSON object with "event", "source" and "time" (Unix seconds). Tools match these, never prose.
 #   phase       name, state ("start" | "done"), seconds (done)      script.sh: check S3 access,
 #               sync code, sync data, sync model, python environment, take the run's lease, restore
-#               checkpoint
+#               checkpoint; final upload (with trainer_exit; exit: the uploader's code, at done)
 #   ready       seconds (from the pod's start to training)            script.sh
-#   lease       state ("held" | "off" | "complete")                  lease.py
-#   restore     step (the step restored, or null: from step 0)       restore.py
-#   uploaded    step, name (a checkpoint committed in S3)            uploader.py
-#   complete    step (COMPLETE written)                              uploader.py
+#   lease       state ("held" | "off" | "complete"), waited (held)   lease.py
+#   restore     step, name (restored; null: the trainer starts at 0)  restore.py
+#   uploaded    step, name, bytes, seconds (committed in S3)          uploader.py
+#   complete    state ("writing" | "written"), step                  uploader.py
 #   exit        code, seconds                                        script.sh, last line
 EVENT_PREFIX = "EVENT "
 EVENTS = ("phase", "ready", "lease", "restore", "uploaded", "complete", "exit")
@@ -117,3 +122,43 @@ def parse_event(line: str) -> dict | None:
 
 def matches(record: dict | None, kind: str, /, **fields) -> bool:
     return record is not None and record.get("event") == kind and all(record.get(k) == v for k, v in fields.items())
+
+
+def _value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def wait(path: str, seconds: float, kind: str, fields: dict) -> dict | None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with open(path, errors="replace") as file:
+                for line in file:
+                    record = parse_event(line)
+                    if matches(record, kind, **fields):
+                        return record
+        except FileNotFoundError:
+            pass
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.5)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 4 or argv[0] != "wait" or not all("=" in a for a in argv[4:]):
+        print("usage: contract.py wait LOG_FILE SECONDS KIND [key=value...]", file=sys.stderr)
+        return 64
+    fields = {k: _value(v) for k, v in (a.split("=", 1) for a in argv[4:])}
+    record = wait(argv[1], float(argv[2]), argv[3], fields)
+    if record is None:
+        print(f"contract.py: no event {argv[3]} {json.dumps(fields)} in {argv[1]} within {argv[2]}s", file=sys.stderr)
+        return 1
+    print(json.dumps(record, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

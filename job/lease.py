@@ -371,6 +371,7 @@ def main(argv: list[str]) -> int:
         where = Location.parse(argv[1])
         if not lease_wanted():
             NoLease.record(Path(argv[2]))
+            contract.event("lease", "lease", state="off")
             log("lease", f"warning: S3_LEASE=off: no lease on {where}; a second pod there would overwrite "
                          "this one's checkpoints: run one pod per S3_OUTPUT_URI yourself "
                          "(the Job's podReplacementPolicy: Failed helps)")
@@ -381,9 +382,11 @@ def main(argv: list[str]) -> int:
         started = time.monotonic()
         if not lease.acquire(wait):
             log("lease", f"{where} became COMPLETE while waiting: nothing to do")
+            contract.event("lease", "lease", state="complete")
             return EXIT_COMPLETE
         log("lease", f"holding the lease on {where} as {holder} "
                      f"(ttl {lease.ttl:.0f}s, waited {time.monotonic() - started:.1f}s)")
+        contract.event("lease", "lease", state="held", waited=round(time.monotonic() - started, 3))
         return 0
 
     return s3lib.main_guard("lease", run)

@@ -166,7 +166,9 @@ def main(argv: list[str]) -> int:
         return contract.EXIT_BAD_INPUT
 
     def run() -> int:
-        restore(s3lib.client(), Location.parse(argv[0]), Path(argv[1]))
+        name = restore(s3lib.client(), Location.parse(argv[0]), Path(argv[1]))
+        # The step the trainer goes on from (null: step 0); tools wait on this, not the prose.
+        contract.event("restore", "restore", step=checkpoint.parse_step(name) if name else None, name=name)
         return 0
 
     return s3lib.main_guard("restore", run)

@@ -77,6 +77,28 @@ die() {
 }
 need_cmd() { command -v "$1" >/dev/null 2>&1 || die "${EXIT_BAD_INPUT}" "$1 not found in the image; $2"; }
 elapsed_since() { local ms=$(($(date +%s%3N) - $1)); printf '%d.%01ds' $((ms / 1000)) $((ms % 1000 / 100)); }
+seconds_since() { local ms=$(($(date +%s%3N) - $1)); printf '%d.%03d' $((ms / 1000)) $((ms % 1000)); }
+
+# One event line, the format job/contract.py defines (EVENT_PREFIX, then a JSON object): what tools
+# wait on and parse, never the prose lines around it.   event KIND [key=value...]
+# A value that is a plain number stays a number, anything else becomes a JSON string.
+event() {
+  local kind=$1 json pair key value
+  shift
+  json="{\"event\": \"${kind}\", \"source\": \"script\", \"time\": $(date +%s.%3N)"
+  for pair in "$@"; do
+    key=${pair%%=*}
+    value=${pair#*=}
+    if [[ "${value}" =~ ^(0|-?[1-9][0-9]*)(\.[0-9]+)?$ ]]; then
+      json+=", \"${key}\": ${value}"
+    else
+      value=${value//\\/\\\\}
+      value=${value//\"/\\\"}
+      json+=", \"${key}\": \"${value//[[:cntrl:]]/ }\""
+    fi
+  done
+  printf 'EVENT %s}\n' "${json}"
+}
 
 # Runs a step and logs how long it took, so the cost of every restart is visible.
 phase() {
@@ -85,8 +107,10 @@ phase() {
   stop_if_asked
   started=$(date +%s%3N)
   log "${name}..."
+  event phase name="${name}" state=start
   "$@"
   log "${name}: done in $(elapsed_since "${started}")"
+  event phase name="${name}" state=done seconds="$(seconds_since "${started}")"
 }
 
 # A failed child has said why already; only what fails unexpectedly gets a line here.
@@ -368,20 +392,11 @@ validate_settings() {
 
 bucket_of() { local rest=${1#s3://}; echo "${rest%%/*}"; }
 
-# One line for errors no retry fixes; nothing for the rest.
+# One line for errors no retry fixes, from the one table (job/s3_errors.py); nothing for the rest.
+# The image's python3, as the pod's Python is not chosen yet; a python3 that cannot run it leaves
+# every error to the retries (then exit 75 with the CLI's own last line).
 permanent_s3_error() {
-  local output=$1 uri=$2 bucket
-  bucket=$(bucket_of "${uri}")
-  case "${output}" in
-    *NoSuchBucket* | *"(404) when calling the HeadBucket"*)
-      echo "bucket ${bucket} does not exist; create it or fix the URI ${uri}" ;;
-    *AccessDenied* | *Forbidden* | *"(403)"*)
-      echo "access to ${uri} denied; give the pod's role or Secret s3:ListBucket and s3:GetObject there (and s3:PutObject, s3:DeleteObject on S3_OUTPUT_URI)" ;;
-    *"Unable to locate credentials"* | *NoCredentialProviders* | *"no valid providers"*)
-      echo "no AWS credentials; create the Secret aws-credentials (see README) or give the pod an IAM role" ;;
-    *InvalidAccessKeyId* | *SignatureDoesNotMatch* | *ExpiredToken*)
-      echo "the AWS credentials were refused by S3 ($(grep -oE 'InvalidAccessKeyId|SignatureDoesNotMatch|ExpiredToken' <<<"${output}" | head -n 1)); fix the Secret" ;;
-  esac
+  python3 "${JOB_DIR}/s3_errors.py" explain-cli "$2" <<<"$1" 2>/dev/null || true
 }
 
 # Retries transient S3 errors with exponential backoff and jitter for up to S3_RETRY_SECONDS.
@@ -580,6 +595,7 @@ restore_checkpoint() {
 mark_ready() {
   touch "${READY_FILE}" "${HEALTH_FILE}"
   log "ready: $(elapsed_since "${STARTED_MS}") from start to training"
+  event ready seconds="$(seconds_since "${STARTED_MS}")"
 }
 
 run_trainer() {
@@ -636,14 +652,17 @@ finish() {
     local upload=0 started
     started=$(date +%s%3N)
     log "final upload (trainer exit ${code})..."
+    event phase name="final upload" state=start trainer_exit="${code}"
     "${PYTHON}" "${JOB_DIR}/uploader.py" final "${S3_OUTPUT_URI}" "${OUTPUT_DIR}" "${code}" || upload=$?
     log "final upload: done in $(elapsed_since "${started}") (exit ${upload})"
+    event phase name="final upload" state=done seconds="$(seconds_since "${started}")" exit="${upload}"
     if ((upload != 0)) && ((code == EXIT_DONE || code == EXIT_SIGINT || code == EXIT_SIGTERM)); then
       code=${upload}
     fi
     stop_heartbeat
   fi
   log "exit ${code} after $(elapsed_since "${STARTED_MS}")"
+  event exit code="${code}" seconds="$(seconds_since "${STARTED_MS}")"
   # When PID 1 exits every other process in the container dies: let tee write its last lines first.
   exec >&- 2>&-
   local tries=0

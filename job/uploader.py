@@ -222,6 +222,8 @@ class Uploader:
         took = time.monotonic() - started
         log("uploader", f"{folder.name} is in S3: {size / 1e6:.1f} MB in {took:.1f}s "
                         f"({size / 1e6 / max(took, 1e-3):.0f} MB/s), manifest last")
+        contract.event("uploaded", "uploader", name=folder.name, step=checkpoint.parse_step(folder.name),
+                       bytes=size, seconds=round(took, 3))
         return True
 
     def _put_file(self, folder: Path, name: str, handle, manifest: dict) -> None:
@@ -417,8 +419,10 @@ class Uploader:
                    "attempts": len(self.attempts) or 1, "wall_seconds": round(seconds, 1),
                    "completed_at": time.time(), "pod": self.attempt.get("pod", _pod_name())}
         log("uploader", "writing COMPLETE...")
+        contract.event("complete", "uploader", state="writing", step=last)
         s3lib.put_json(self.s3, self.run, self.run.key("COMPLETE"), summary, self.write)
         log("uploader", f"wrote {self.run}COMPLETE: {json.dumps(summary)}")
+        contract.event("complete", "uploader", state="written", step=last)
         return True
 
 

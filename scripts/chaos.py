@@ -30,23 +30,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 from podlab import Pod, Run, local_s3  # noqa: E402
 
-# Phase: (line that starts it, longest delay after that line, in seconds).
+# Phase: (what starts it, longest delay after that, in seconds). The runtime's phases are its
+# events (job/contract.py); inside training, the trainer's own step lines (train.py's output).
 PHASES = {
-    "code sync": ("script: sync code...", 0.3),
-    "data sync": ("script: sync data...", 0.3),
-    "environment": ("script: python environment...", 0.5),
-    "lease": ("script: take the run's lease...", 0.2),
-    "restore": ("script: restore checkpoint...", 0.3),
+    "code sync": (("phase", {"name": "sync code", "state": "start"}), 0.3),
+    "data sync": (("phase", {"name": "sync data", "state": "start"}), 0.3),
+    "environment": (("phase", {"name": "python environment", "state": "start"}), 0.5),
+    "lease": (("phase", {"name": "take the run's lease", "state": "start"}), 0.2),
+    "restore": (("phase", {"name": "restore checkpoint", "state": "start"}), 0.3),
     "training": ("train: step {step}/", 0.02),
     "checkpoint write": ("train: step {checkpoint}/", 0.01),
     "upload": ("train: checkpoint step-", 1.0),
-    "final upload": ("script: final upload (trainer exit 0)...", 0.3),
-    "writing COMPLETE": ("uploader: writing COMPLETE...", 0.01),
+    "final upload": (("phase", {"name": "final upload", "state": "start", "trainer_exit": 0}), 0.3),
+    "writing COMPLETE": (("complete", {"state": "writing"}), 0.01),
 }
 LAST_PHASES = ("final upload", "writing COMPLETE")  # reached only once training is done
 CHAOS_CONFIG = {"train__max_steps": 100, "checkpoint__interval": 5, "checkpoint__keep": 2, "eval__interval": 10,
                 "model__n_embd": 64, "model__block_size": 64, "train__batch_size": 16}
-RESUMED = re.compile(r"train: resumed from step-(\d+)")
 STEP = re.compile(r"train: step (\d+)/")
 
 
@@ -105,13 +105,12 @@ def schedule(kills: int, sigterms: int, seed: int) -> list[Moment]:
     return moments
 
 
-def trigger(pod: Pod, moment: Moment, rng: random.Random, max_steps: int) -> str:
-    """The line to wait for; for training phases it depends on where this pod resumed."""
+def trigger(pod: Pod, moment: Moment, rng: random.Random, max_steps: int) -> str | tuple:
+    """The event or trainer line to wait for; for training phases it depends on where this pod resumed."""
     text = PHASES[moment.phase][0]
-    if "{" not in text:
+    if isinstance(text, tuple):
         return text
-    pod.wait_for("train: model:", timeout=180)
-    resumed = _resumed_from(pod) or 0
+    resumed = pod.wait_for_event("restore", timeout=180)["step"] or 0
     step = min(resumed + rng.randint(2, 9), max_steps - 1)
     checkpoint = min(max_steps - 1, (resumed // 5 + 1) * 5 + 5 * rng.randint(0, 1))
     return text.format(step=step, checkpoint=checkpoint)
@@ -142,7 +141,11 @@ def _drive(pod: Pod, moment: Moment | None, rng: random.Random, max_steps: int) 
     hit = False
     if moment:
         try:
-            pod.wait_for(trigger(pod, moment, rng, max_steps), timeout=180)
+            what = trigger(pod, moment, rng, max_steps)
+            if isinstance(what, tuple):
+                pod.wait_for_event(what[0], timeout=180, **what[1])
+            else:
+                pod.wait_for(what, timeout=180)
             time.sleep(moment.delay)
             hit = pod.proc.poll() is None
             if hit and moment.signal == "KILL":
@@ -171,11 +174,8 @@ def _check_resume(pod: Pod, row: Row, committed_before: set, rows: list[Row]) ->
 
 
 def _resumed_from(pod: Pod) -> int | None:
-    for line in pod.lines:
-        match = RESUMED.search(line)
-        if match:
-            return int(match.group(1))
-    return None
+    """The step restore brought back (the trainer goes on from it), None when it got no further."""
+    return next((e["step"] for e in pod.events if e["event"] == "restore"), None)
 
 
 def _format_row(number: int, row: Row) -> str:

@@ -63,9 +63,10 @@ pod() {
     "${ROOT}/job.yaml" 2>&1 | tee "${DEMO}/pod-${number}.log"
 }
 
-wait_for_line() {
-  local file=$1 text=$2
-  until grep -q "${text}" "${file}" 2>/dev/null; do sleep 0.2; done
+# Waits for one of the pod's events (job/contract.py), printed as JSON; dies after SECONDS (a pod
+# that failed never says it).   wait_for_event FILE SECONDS KIND [key=value...]
+wait_for_event() {
+  python "${ROOT}/job/contract.py" wait "$@" || die "gave up waiting; see $1"
 }
 
 main() {
@@ -91,7 +92,7 @@ main() {
   say "pod 1: trains, and its node is lost once step 100 is committed in S3"
   pod 1 &
   local first=$!
-  wait_for_line "${DEMO}/pod-1.log" "step-00000100 is in S3"
+  wait_for_event "${DEMO}/pod-1.log" 1800 uploaded step=100 >/dev/null
   sleep 2
   kill -KILL "$(cat "${DEMO}/pod-1.pid")"
   wait "${first}" || true
@@ -100,7 +101,7 @@ main() {
 
   say "pod 2: the Job's next pod (it waits out the dead pod's lease, then resumes)"
   pod 2
-  say "pod 2 resumed: $(grep -o 'resumed from step-[0-9]*' "${DEMO}/pod-2.log" | head -n 1)"
+  say "pod 2 restored: $(wait_for_event "${DEMO}/pod-2.log" 0 restore)"
 
   say "what S3 holds"
   aws s3 ls --recursive "${RUN_URI}"

@@ -51,7 +51,7 @@ def finetune_env(**extra: str) -> dict:
 def test_finetune_pod_killed_after_a_checkpoint_resumes_from_s3_and_completes(finetune_run):
     run = finetune_run
     pod = run.start(**finetune_env())
-    pod.wait_for("uploader: step-", timeout=300)
+    pod.wait_for_event("uploaded", timeout=300)
     assert pod.lose_node(), "the pod had finished before the kill"
     assert pod.wait() == 137
     committed = run.committed_steps()
@@ -61,7 +61,7 @@ def test_finetune_pod_killed_after_a_checkpoint_resumes_from_s3_and_completes(fi
 
     code, second = run.run(**finetune_env())
     assert code == 0, second.output
-    assert f"restored step-{committed[0]:08d}" in second.output, "restore took the newest committed step"
+    assert [e["step"] for e in second.events if e["event"] == "restore"] == [committed[0]], "the newest committed"
     assert f"resuming from step-{committed[0]:08d}" in second.output, "the Trainer went on from it"
     assert run.json("COMPLETE")["attempts"] == 2
     assert run.committed_steps()[0] == MAX_STEPS

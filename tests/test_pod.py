@@ -54,16 +54,20 @@ def test_happy_path_ends_with_complete(run, reference_cache):
     status = run.json("status.json")
     assert status["state"] == "completed" and status["attempts"][0]["exit_code"] == 0
     assert "lease.json" not in keys, "the lease is released on exit"
-    for phase in ("check S3 access: done in", "sync code: done in", "sync data: done in",
-                  "python environment: done in", "restore checkpoint: done in", "ready:"):
-        assert phase in pod.output
+    done = [e["name"] for e in pod.events if e["event"] == "phase" and e["state"] == "done"]
+    assert done == ["check S3 access", "sync code", "sync data", "python environment", "take the run's lease",
+                    "restore checkpoint", "final upload"], pod.output
+    assert [e["event"] for e in pod.events if e["event"] in ("ready", "exit")] == ["ready", "exit"]
+    assert pod.events[-1]["event"] == "exit" and pod.events[-1]["code"] == 0
+    assert [(e["state"], e["step"]) for e in pod.events if e["event"] == "complete"] == [
+        ("writing", MAX_STEPS), ("written", MAX_STEPS)]
     reference_cache.setdefault("sha", run.model_sha(MAX_STEPS))
 
 
 @pytest.mark.parametrize("seed", [1])
 def test_sigkill_then_next_pod_resumes_from_newest_committed_step_and_completes(run, reference_sha, seed):
     pod = run.start()
-    uploaded = int(pod.wait_for("uploader: step-").split("step-")[1][:8])
+    uploaded = pod.wait_for_event("uploaded")["step"]
     step = random.Random(seed).randint(uploaded + 1, MAX_STEPS - 3)
     pod.wait_for(f"step {step}/{MAX_STEPS}")
     pod.lose_node()

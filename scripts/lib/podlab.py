@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CODE = ROOT / "code"
 VENV_BIN = Path(sys.executable).parent
 sys.path.insert(0, str(CODE))
+sys.path.insert(0, str(ROOT / "job"))
 import checkpoint  # noqa: E402
+import contract  # noqa: E402 - the pod's events: what the waits below match, never prose
 
 TINY_CONFIG = {
     "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 256,
@@ -109,6 +111,28 @@ class Pod:
             if text in line:
                 return line
         raise AssertionError(f"no line with {text!r}; output:\n{self.output[-4000:]}")
+
+    @property
+    def events(self) -> list[dict]:
+        """The pod's event lines so far (job/contract.py), parsed."""
+        return [e for e in map(contract.parse_event, self.lines) if e is not None]
+
+    def wait_for_event(self, kind: str, timeout: float = 120, **fields) -> dict:
+        """Block until an event of this kind with these fields appears; return it."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            lines = self.lines[seen:]
+            seen += len(lines)
+            for record in map(contract.parse_event, lines):
+                if contract.matches(record, kind, **fields):
+                    return record
+            if self.proc.poll() is not None and seen == len(self.lines) and not self._reader.is_alive():
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no event {kind} {fields}; output:\n{self.output[-4000:]}")
 
     def pid1(self) -> int:
         pid = wait_until(lambda: self.pidfile.exists() and self.pidfile.read_text().strip(), 30, interval=0.05)

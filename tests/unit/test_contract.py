@@ -68,3 +68,37 @@ def test_script_sh_names_the_lease_state_file_as_the_contract_does():
 def test_script_sh_parses_no_json_inline():
     """JSON is read by job/*.py entry points with tests of their own, never by `python -c` strings."""
     assert "python3 -c" not in SCRIPT.read_text() and '"${PYTHON}" -c' not in SCRIPT.read_text()
+
+
+def bash_event(*args: str) -> str:
+    """script.sh's event function, run alone."""
+    import subprocess
+    function = re.search(r"^event\(\) \{.*?^\}$", SCRIPT.read_text(), flags=re.M | re.S).group(0)
+    return subprocess.run(["bash", "-c", function + '\nevent "$@"', "bash", *args], capture_output=True,
+                          text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("args,fields", [
+    (["phase", "name=sync code", "state=start"], {"name": "sync code", "state": "start"}),
+    (["phase", "name=restore checkpoint", "state=done", "seconds=0.512"], {"state": "done", "seconds": 0.512}),
+    (["exit", "code=143", "seconds=12.000"], {"code": 143, "seconds": 12.0}),
+    (["x", "path=a \"quoted\" \\ back\tslash"], {"path": 'a "quoted" \\ back slash'}),
+    (["x", "n=007", "m=-", "k=1e5"], {"n": "007", "m": "-", "k": "1e5"}),   # not JSON numbers: strings
+])
+def test_script_sh_emits_events_python_parses(args, fields):
+    record = contract.parse_event(bash_event(*args))
+    assert record is not None and record["event"] == args[0] and record["source"] == "script"
+    assert {k: record[k] for k in fields} == fields and isinstance(record["time"], float)
+
+
+def test_wait_finds_an_event_in_a_pod_log_and_gives_up_after_its_time(tmp_path):
+    import subprocess
+    import sys
+    log = tmp_path / "pod.log"
+    log.write_text('2026 script: sync code...\nEVENT {"event": "uploaded", "step": 5}\n'
+                   'EVENT {"event": "uploaded", "step": 100, "name": "step-00000100"}\n')
+    command = [sys.executable, str(SCRIPT.parent / "contract.py"), "wait", str(log)]
+    found = subprocess.run(command + ["0", "uploaded", "step=100"], capture_output=True, text=True)
+    assert found.returncode == 0 and '"name": "step-00000100"' in found.stdout
+    missing = subprocess.run(command + ["0", "uploaded", "step=10"], capture_output=True, text=True)
+    assert missing.returncode == 1 and "no event uploaded" in missing.stderr

@@ -70,7 +70,8 @@ def test_script_output_and_its_log_file_show_no_url_credentials(tmp_path):
     assert "https://key:***@" not in output and "https://***@s3.example.com" in output, output
     for text in (output, log):
         assert TOKEN not in text
-    assert "script: exit 75 after" in log.splitlines()[-1], log
+    assert "script: exit 75 after" in log.splitlines()[-2], log
+    assert '"event": "exit"' in log.splitlines()[-1] and '"code": 75' in log.splitlines()[-1], log
 
 
 def test_python_env_messages_show_no_url_credentials(tmp_path):
