@@ -37,6 +37,8 @@
 #
 # Exit codes: 0 done (COMPLETE written), 64 bad input (the Job must not retry), 75 S3 or the
 # package index unreachable (a retry may pass), 143 after SIGTERM (130 SIGINT), else the trainer's.
+# job/contract.py is the contract: these codes and who decides each, the files a trainer shares with
+# the runtime, and the EVENT lines (event below) that tools read instead of the prose.
 # shellcheck disable=SC2329 # most functions run indirectly: through phase, traps and run_child
 set -o errexit -o nounset -o pipefail -o errtrace
 
