@@ -35,6 +35,7 @@ import mmap
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing import reduction
@@ -308,7 +309,8 @@ class AsyncSaver:
         ours, theirs = context.Pipe(duplex=True)
         self._process = context.Process(target=_serve, args=(theirs, os.getpid()), name="checkpoint-saver",
                                         daemon=True)
-        self._process.start()
+        with _stop_signals_ignored_by_children():
+            self._process.start()
         theirs.close()  # only the child holds that end now: its death reads as EOF here
         self._conn = ours
         if self._buffer is not None:
@@ -413,6 +415,27 @@ def _save(request: _Request, buffer) -> tuple:
     except Exception as err:  # noqa: BLE001 - any failure is reported to the trainer, which stops
         return ("error", f"{type(err).__name__}: {err}")
     return ("ok", folder_mb(final), time.monotonic() - started)
+
+
+@contextlib.contextmanager
+def _stop_signals_ignored_by_children():
+    """torchrun stops a worker with SIGTERM to its whole process group, and the save process is in
+    it: it must ignore the signal from its first instruction, not only once it has imported torch.
+    An ignored signal stays ignored across exec (a mask does not: spawn resets it), so the trainer
+    ignores them while it starts the process, with them blocked meanwhile: on Linux a blocked
+    signal is kept pending even when ignored, and reaches the trainer's own handler afterwards."""
+    stop = (signal.SIGTERM, signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be changed from the main thread
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _die_with_parent(trainer_pid: int) -> None:

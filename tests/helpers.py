@@ -30,9 +30,11 @@ def train_env(**extra: str) -> dict:
 
 
 def run_until(command: list[str], stop_when: str | None = None, send: int = signal.SIGKILL,
-              delay: float = 0.0, env: dict | None = None, timeout: float = 300) -> tuple[int, str]:
+              delay: float = 0.0, env: dict | None = None, timeout: float = 300,
+              group: bool = False) -> tuple[int, str]:
     """Run a command; if a line containing `stop_when` appears, wait `delay` s and send the signal
-    to its whole process group. Returns (exit code, output)."""
+    (SIGKILL, or any signal with `group`, to its whole process group, as torchrun stops its
+    workers; else to the process). Returns (exit code, output)."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env or train_env(), start_new_session=True)
     lines, signalled = [], False
@@ -42,7 +44,7 @@ def run_until(command: list[str], stop_when: str | None = None, send: int = sign
         if stop_when and not signalled and stop_when in line:
             time.sleep(delay)
             signalled = True
-            os.killpg(proc.pid, send) if send == signal.SIGKILL else proc.send_signal(send)
+            os.killpg(proc.pid, send) if send == signal.SIGKILL or group else proc.send_signal(send)
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             raise TimeoutError("".join(lines[-30:]))

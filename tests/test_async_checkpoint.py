@@ -170,3 +170,15 @@ def test_a_save_requested_while_one_is_in_flight_waits_for_it_and_says_so(tmp_pa
     assert re.search(r"waited [\d.]+s for checkpoint step-00000001 to commit before taking step-00000002", output)
     assert re.search(r"waited [\d.]+s for checkpoint step-00000002 to commit before taking step-00000003", output)
     assert committed(out) == [3, 2]
+
+
+def test_sigterm_to_the_process_group_while_the_save_process_starts_does_not_kill_it(tmp_path, corpus, tiny_config):
+    # torchrun stops a worker with SIGTERM to its process group, the save process included; at the
+    # first step the save process is still importing torch, before it could ignore the signal.
+    out = tmp_path / "out"
+    code, output = run_until(train_command(tiny_config, corpus, out), stop_when="step 1/", send=signal.SIGTERM,
+                             group=True)
+    assert code == 143, output
+    assert "save process died" not in output, output
+    stopped_at = int(re.search(r"SIGTERM: step (\d+) finished", output).group(1))
+    assert committed(out)[0] == stopped_at, output

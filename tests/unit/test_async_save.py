@@ -93,3 +93,19 @@ def test_async_save_takes_only_true_or_false(tmp_path):
     path.write_text("checkpoint:\n  async_save: sometimes\n")
     with pytest.raises(config.ConfigError, match="checkpoint.async_save must be true or false"):
         config.load(path)
+
+
+def test_a_stop_signal_while_the_save_process_starts_still_reaches_the_trainer():
+    import os
+    import signal
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with async_save._stop_signals_ignored_by_children():
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # what the child inherits
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert not seen
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
