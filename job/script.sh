@@ -10,7 +10,7 @@
 #   WORK_DIR               /home/eai_role/code      absolute; code here, data in WORK_DIR/data, outputs in WORK_DIR/out
 #   NPROC_PER_NODE         the visible GPUs, else 1 positive, at most the GPUs the pod sees
 #   TRAIN_SCRIPT           train.py                 the script torchrun runs, relative to the code (e.g. finetune.py)
-#   TRAIN_CONFIG           config/conf.yaml         relative to the code
+#   TRAIN_CONFIG           config/conf.yaml         relative to the code (config/finetune.yaml for finetune.py)
 #   S3_MODEL_URI           unset                    s3://bucket/prefix/ of a model snapshot (config.json, weights,
 #                                                   tokenizer): synced to WORK_DIR/model, passed as --model_dir
 #   TRAIN_ARGS             extra train.py arguments, e.g. "--set train.max_steps=2000"; split as a
@@ -25,7 +25,7 @@
 #   AWS_RETRY_MODE         standard                 the AWS CLI's: standard, adaptive or legacy
 #   S3_RETRY_SECONDS       600                      how long S3 errors are retried before giving up (>= 1)
 #   S3_LEASE               on                       on or off: off runs without the lease (one pod per prefix is then yours to ensure)
-#   LEASE_TTL_SECONDS      120                      a dead pod's lease expires after this (>= 3: renewed every third)
+#   LEASE_TTL_SECONDS      30                       a dead pod's lease expires after this (>= 3: renewed every third)
 #   LEASE_WAIT_SECONDS     3000                     how long a second pod waits for a live pod's lease (>= 0)
 #   S3_SYNC_TOOL           auto                     code and data sync: s5cmd when present, else aws
 #   CHECKPOINT_HMAC_KEY    unset                    signs and checks manifests; when set, 16 bytes or more (never printed)
@@ -281,7 +281,7 @@ check_s3_settings() {
 check_timings() {
   SYNC_INTERVAL_SECONDS=${SYNC_INTERVAL_SECONDS:-60}
   UPLOAD_RETRY_SECONDS=${UPLOAD_RETRY_SECONDS:-30}
-  LEASE_TTL_SECONDS=${LEASE_TTL_SECONDS:-120}
+  LEASE_TTL_SECONDS=${LEASE_TTL_SECONDS:-30}
   LEASE_WAIT_SECONDS=${LEASE_WAIT_SECONDS:-3000}
   HEALTH_MAX_AGE_SECONDS=${HEALTH_MAX_AGE_SECONDS:-600}
   S3_LEASE=${S3_LEASE:-on}
@@ -353,7 +353,10 @@ check_code_file() {
 
 check_train_files() {
   TRAIN_SCRIPT=${TRAIN_SCRIPT:-train.py}
-  TRAIN_CONFIG=${TRAIN_CONFIG:-config/conf.yaml}
+  # Each shipped script's own config: the GPT trainer's would only confuse finetune.py.
+  local default_config=config/conf.yaml
+  [[ "${TRAIN_SCRIPT}" != finetune.py ]] || default_config=config/finetune.yaml
+  TRAIN_CONFIG=${TRAIN_CONFIG:-${default_config}}
   check_code_file TRAIN_SCRIPT finetune.py
   check_code_file TRAIN_CONFIG config/conf.yaml
   # finetune.py's --model_dir is required: say so here rather than as its usage error (exit 2).

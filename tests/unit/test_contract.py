@@ -102,3 +102,14 @@ def test_wait_finds_an_event_in_a_pod_log_and_gives_up_after_its_time(tmp_path):
     assert found.returncode == 0 and '"name": "step-00000100"' in found.stdout
     missing = subprocess.run(command + ["0", "uploaded", "step=10"], capture_output=True, text=True)
     assert missing.returncode == 1 and "no event uploaded" in missing.stderr
+
+
+@pytest.mark.parametrize("name,python_default", [
+    ("LEASE_TTL_SECONDS", lambda: lease.ttl_seconds({})),
+    ("LEASE_WAIT_SECONDS", lambda: lease.wait_seconds({})),
+])
+def test_script_sh_and_lease_py_default_the_lease_settings_alike(name, python_default):
+    # script.sh fills in the default before lease.py and the uploader read it: one value, or the
+    # pods run with the bash one whatever lease.py says.
+    found = re.search(rf"^\s*{name}=\$\{{{name}:-([0-9]+)\}}$", SCRIPT.read_text(), flags=re.M)
+    assert found and float(found.group(1)) == python_default()
