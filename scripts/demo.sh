@@ -22,7 +22,7 @@ cleanup() {
 }
 
 start_local_s3() {
-  python "${ROOT}/scripts/local_s3.py" --bucket demo --port-file "${DEMO}/s3.port" >"${DEMO}/s3.log" 2>&1 &
+  python "${ROOT}/lab/local_s3.py" --bucket demo --port-file "${DEMO}/s3.port" >"${DEMO}/s3.log" 2>&1 &
   S3_PID=$!
   local tries=0
   until [[ -s "${DEMO}/s3.port" ]]; do
@@ -54,7 +54,7 @@ EOF
 
 pod() {
   local number=$1
-  python "${ROOT}/scripts/local_pod.py" --pidfile "${DEMO}/pod-${number}.pid" \
+  python "${ROOT}/lab/local_pod.py" --pidfile "${DEMO}/pod-${number}.pid" \
     --env S3_CODE_URI=s3://demo/code/ --env S3_DATA_URI=s3://demo/data/ --env S3_OUTPUT_URI="${RUN_URI}" \
     --env AWS_ENDPOINT_URL="${AWS_ENDPOINT_URL}" --env AWS_ACCESS_KEY_ID=demo \
     --env AWS_SECRET_ACCESS_KEY=demo --env AWS_DEFAULT_REGION=us-east-1 \

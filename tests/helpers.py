@@ -1,5 +1,5 @@
 """What the trainer tests share: the trainer's command line, and a run that can be killed when a
-chosen line appears. Corpus and config builders come from scripts/lib/podlab.py."""
+chosen line appears. Corpus and config builders come from lab/podlab.py."""
 
 from __future__ import annotations
 

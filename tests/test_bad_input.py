@@ -256,12 +256,12 @@ def locked_s3(tmp_path_factory):
     """A second local S3 that checks credentials: a user with no permissions, a bucket."""
     port_file = tmp_path_factory.mktemp("auth") / "port"
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
-    server = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "local_s3.py"), "--port-file", str(port_file)],
+    server = subprocess.Popen([sys.executable, str(ROOT / "lab" / "local_s3.py"), "--port-file", str(port_file)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     started = wait_until(lambda: server.poll() is not None or port_file.exists() and port_file.read_text(), 60, 0.1)
     if not started or server.poll() is not None:
         server.kill()
-        pytest.fail(f"scripts/local_s3.py did not start (exit code {server.wait()})")
+        pytest.fail(f"lab/local_s3.py did not start (exit code {server.wait()})")
     endpoint = f"http://127.0.0.1:{port_file.read_text()}"
     admin = dict(endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="y")
     iam = boto3.client("iam", **admin)

@@ -1,4 +1,4 @@
-"""scripts/local_pod.py runs a Job's pod for real: namespaces, volumes, env, probes, deletion.
+"""lab/local_pod.py runs a Job's pod for real: namespaces, volumes, env, probes, deletion.
 
 Each test writes a tiny Job to tmp_path and runs the runner as a subprocess (it needs root).
 The manifests write $$$$ for the shell's $$: Kubernetes turns $$ into $ in command and args.
@@ -18,7 +18,7 @@ import yaml
 
 from podlab import ROOT, wait_until
 
-RUNNER = ROOT / "scripts" / "local_pod.py"
+RUNNER = ROOT / "lab" / "local_pod.py"
 POD_NAME = re.compile(r"local_pod: pod (demo-[a-z0-9]{5}): starting")
 
 pytestmark = [

@@ -25,7 +25,7 @@ def start(run, job_yaml, *runner_args: str, **env: str) -> Pod:
     run.folder.mkdir(parents=True, exist_ok=True)
     run.pods += 1
     pidfile = run.folder / f"pod-{run.pods}.pid"
-    command = [sys.executable, str(ROOT / "scripts" / "local_pod.py"), "--pidfile", str(pidfile),
+    command = [sys.executable, str(ROOT / "lab" / "local_pod.py"), "--pidfile", str(pidfile),
                "--configmap", f"script-configmap={ROOT / 'job'}", *runner_args]
     for key, value in run.env(**env).items():
         command += ["--env", f"{key}={value}"]
@@ -41,7 +41,7 @@ def test_getpass_names_the_pods_user_though_the_image_has_no_passwd_entry(tmp_pa
         container.pop(probe)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
-    runner = [sys.executable, str(ROOT / "scripts" / "local_pod.py"), "--configmap", f"script-configmap={ROOT / 'job'}"]
+    runner = [sys.executable, str(ROOT / "lab" / "local_pod.py"), "--configmap", f"script-configmap={ROOT / 'job'}"]
     result = subprocess.run(runner + [str(path)], capture_output=True, text=True, timeout=60, env=tool_env())
     assert result.returncode == 0, result.stderr
     assert result.stdout == "eai_role\n"

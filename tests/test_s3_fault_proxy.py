@@ -1,4 +1,4 @@
-"""scripts/s3_fault_proxy.py between real clients (AWS CLI, boto3, raw HTTP) and the moto S3."""
+"""lab/s3_fault_proxy.py between real clients (AWS CLI, boto3, raw HTTP) and the moto S3."""
 
 import json
 import os
@@ -292,7 +292,7 @@ def test_bad_settings_are_refused(proxy):
 def test_cli_prints_url_takes_control_requests_and_stops_on_sigterm(s3, s3_endpoint, tmp_path):
     port_file = tmp_path / "port"
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "s3_fault_proxy.py"), "--upstream", s3_endpoint,
+        [sys.executable, str(ROOT / "lab" / "s3_fault_proxy.py"), "--upstream", s3_endpoint,
          "--port", "0", "--port-file", str(port_file), "--seed", "3", "--verbose"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

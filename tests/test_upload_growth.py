@@ -3,7 +3,7 @@ TensorBoard event files and the pod's log (new objects, each written once), an i
 S3 nothing for them, and what S3 holds still reads back whole: TensorBoard's own reader takes a
 run's segments in name order as one run, and an attempt's log segments concatenate to its log.
 
-The real watcher, against the local S3 through scripts/s3_fault_proxy.py (which counts the
+The real watcher, against the local S3 through lab/s3_fault_proxy.py (which counts the
 requests and the bytes of their bodies); the trainer's writes made with the trainer's SummaryWriter.
 """
 

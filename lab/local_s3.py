@@ -1,6 +1,6 @@
 """A local S3 on loopback (moto's server), for the demo and for trying the toolkit without AWS.
 
-    python scripts/local_s3.py [--port 0] [--bucket NAME]... [--port-file FILE]
+    python lab/local_s3.py [--port 0] [--bucket NAME]... [--port-file FILE]
 
 Prints the endpoint (http://127.0.0.1:PORT) and serves until SIGTERM or Ctrl-C. Point the AWS CLI,
 boto3 and the pod at it with AWS_ENDPOINT_URL (s5cmd: S3_ENDPOINT_URL; TensorBoard: S3_ENDPOINT),
@@ -13,10 +13,8 @@ import argparse
 import signal
 import sys
 import threading
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
-from podlab import local_s3  # noqa: E402
+from podlab import local_s3
 
 
 def main(argv: list[str] | None = None) -> int:

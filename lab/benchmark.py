@@ -1,8 +1,8 @@
 """Figures for the README, measured on this machine, as ratios within one run where it matters.
 
-    .venv/bin/python scripts/benchmark.py checkpoint        # GPT-2 124M: save, verify, load
-    sudo .venv/bin/python scripts/benchmark.py restart      # a pod's restart: phases vs. bytes
-    .venv/bin/python scripts/benchmark.py checkpoint_stall  # tokens/s with checkpoints over without
+    .venv/bin/python lab/benchmark.py checkpoint        # GPT-2 124M: save, verify, load
+    sudo .venv/bin/python lab/benchmark.py restart      # a pod's restart: phases vs. bytes
+    .venv/bin/python lab/benchmark.py checkpoint_stall  # tokens/s with checkpoints over without
 
 checkpoint: builds config/conf.yaml's model (GPT-2 124M) on the CPU, takes one AdamW step so the
 optimizer state is real, then commits a checkpoint the way train.py does (torch.save through the
@@ -32,8 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # podlab puts code/ there too
-from podlab import BUCKET, ROOT, Run, local_s3, venv_path  # noqa: E402
+from podlab import BUCKET, ROOT, Run, local_s3, venv_path
 
 
 def bench_checkpoint() -> None:

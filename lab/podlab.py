@@ -1,7 +1,7 @@
 """A lab for the real job.yaml: a tiny corpus and config, a run staged in a local S3, its pods run
-by scripts/local_pod.py (killed, deleted, waited for), and what S3 holds afterwards.
+by lab/local_pod.py (killed, deleted, waited for), and what S3 holds afterwards.
 
-Used by the tests and by scripts/chaos.py, benchmark.py and local_s3.py.
+Used by the tests and by lab/chaos.py, benchmark.py and local_s3.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CODE = ROOT / "code"
 VENV_BIN = Path(sys.executable).parent
 sys.path.insert(0, str(CODE))
@@ -202,7 +202,7 @@ class Run:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.pods += 1
         pidfile = self.folder / f"pod-{self.pods}.pid"
-        command = [sys.executable, str(ROOT / "scripts" / "local_pod.py"), "--pidfile", str(pidfile),
+        command = [sys.executable, str(ROOT / "lab" / "local_pod.py"), "--pidfile", str(pidfile),
                    "--configmap", f"script-configmap={ROOT / 'job'}"]
         for key, value in self.env(**env).items():
             command += ["--env", f"{key}={value}"]

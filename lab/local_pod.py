@@ -2,7 +2,7 @@
 """Run a batch/v1 Job's pod locally, the way a container runtime and the kubelet would.
 
 Usage:
-    python scripts/local_pod.py [--env KEY=VALUE]... [--pidfile FILE]
+    python lab/local_pod.py [--env KEY=VALUE]... [--pidfile FILE]
                                 [--configmap NAME=DIR]... [--keep-volumes DIR] job.yaml
 
 One run is one pod: the first container of spec.template.spec runs as PID 1 of new PID, mount,

@@ -42,7 +42,7 @@ From Python (tests):
 
 From a shell:
 
-    python scripts/s3_fault_proxy.py --upstream http://127.0.0.1:5000 --error-rate 0.2 \\
+    python lab/s3_fault_proxy.py --upstream http://127.0.0.1:5000 --error-rate 0.2 \\
         --port 0 --port-file /tmp/proxy.port --verbose
     curl http://127.0.0.1:PORT/__faults__/stats
     curl -X POST -d '{"outage": true}' http://127.0.0.1:PORT/__faults__/config

@@ -1,6 +1,6 @@
 """Kill the pod anywhere, and prove that nothing is lost.
 
-    sudo .venv/bin/python scripts/chaos.py [--kills 24] [--sigterms 6] [--seed 1]
+    sudo .venv/bin/python lab/chaos.py [--kills 24] [--sigterms 6] [--seed 1]
 
 Starts a local S3, stages a run, trains it once without interruption (the reference), then trains
 it again while killing its pods, each time at a moment drawn (seeded) from a phase: code sync, data
@@ -27,8 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
-from podlab import Pod, Run, local_s3  # noqa: E402
+from podlab import Pod, Run, local_s3
 
 # Phase: (what starts it, longest delay after that, in seconds). The runtime's phases are its
 # events (job/contract.py); inside training, the trainer's own step lines (train.py's output).

@@ -1,14 +1,14 @@
 """What the lease's TTL costs, both ways, through the real job.yaml (local pod runner, local S3).
 
-    sudo .venv/bin/python scripts/measure_lease.py kill 120 30    # kill_to_training_s per LEASE_TTL_SECONDS
-    sudo .venv/bin/python scripts/measure_lease.py outage 30      # a 2-minute S3 outage under a live pod
+    sudo .venv/bin/python lab/measure_lease.py kill 120 30    # kill_to_training_s per LEASE_TTL_SECONDS
+    sudo .venv/bin/python lab/measure_lease.py outage 30      # a 2-minute S3 outage under a live pod
 
 kill: a pod trains; once a checkpoint is in S3 its PID 1 gets SIGKILL (a lost node: no EXIT trap,
 the lease stays in S3); then the Job's next pod starts at once. Prints the seconds from the
 SIGKILL to the next pod's first training step, and how long that pod waited for the lease.
 
 outage: as tests/test_reliability.py's outage test, with the TTL given: a pod talks to S3 through
-scripts/s3_fault_proxy.py, S3 goes away for 120 s during training. Prints the exit code, the steps
+lab/s3_fault_proxy.py, S3 goes away for 120 s during training. Prints the exit code, the steps
 trained during the outage, the requests sent during it, how soon after it a newer checkpoint is in
 S3, and whether the lease was ever lost.
 """
@@ -22,9 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # podlab puts code/ there too
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from podlab import Run, local_s3  # noqa: E402
+from podlab import Run, local_s3
 
 LONG = "--set train.max_steps=100000 --set log.interval=1"
 WAITED = re.compile(r"waited ([0-9.]+)s")
