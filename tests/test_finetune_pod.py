@@ -4,8 +4,10 @@ and completes. And the bad input S3_MODEL_URI can be: an empty prefix."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -66,6 +68,15 @@ def test_finetune_pod_killed_after_a_checkpoint_resumes_from_s3_and_completes(fi
     assert run.json("COMPLETE")["attempts"] == 2
     assert run.committed_steps()[0] == MAX_STEPS
     assert run.verify_in_s3(f"step-{MAX_STEPS:08d}") is None
+    # The watching tools see a fine-tune run as they see a trainer run.
+    shown = subprocess.run([sys.executable, str(ROOT / "scripts" / "status.py"), run.output_uri, "--json"],
+                           capture_output=True, text=True, env=tool_env(), timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    row = json.loads(shown.stdout)
+    assert (row["state"], row["committed_step"], row["max_steps"], row["attempts"]) == ("completed", MAX_STEPS,
+                                                                                         MAX_STEPS, 2), row
+    assert row["train_loss"] is not None and row["val_loss"] is not None, row
+    assert any(key.startswith("tensorboard/") and "tfevents" in key for key in run.keys()), "events went up"
 
 
 def test_empty_model_prefix_is_bad_input(finetune_run):
