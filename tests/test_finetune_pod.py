@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -86,3 +87,21 @@ def test_empty_model_prefix_is_bad_input(finetune_run):
     errors = [line for line in pod.lines if "error: " in line]
     assert len(errors) == 1 and f"S3_MODEL_URI=s3://{BUCKET}/models/nothing-here/ is empty" in errors[0], pod.output
     assert "torchrun" not in pod.output and run.keys() == {}, "nothing written: it stopped before the lease"
+
+
+def test_finetune_pod_deleted_mid_run_commits_its_step_to_s3_and_the_next_pod_redoes_none(finetune_run):
+    run = finetune_run
+    pod = run.start(**finetune_env())
+    pod.wait_for_event("uploaded", timeout=300)
+    pod.delete()  # SIGTERM, as a drain or a preemption sends it
+    assert pod.wait() == 143, pod.output
+    stopped = re.search(r"SIGTERM: step (\d+) finished; committing", pod.output)
+    assert stopped, pod.output
+    step = int(stopped.group(1))
+    assert run.committed_steps()[0] == step, "the step it stopped at is the newest committed in S3"
+    assert run.verify_in_s3(f"step-{step:08d}") is None
+
+    code, second = run.run(**finetune_env())
+    assert code == 0, second.output
+    assert f"resuming from step-{step:08d}" in second.output, "no step redone"
+    assert run.committed_steps()[0] == MAX_STEPS
