@@ -269,3 +269,53 @@ def test_pod_with_its_own_trainer_that_writes_no_progress_json_ends_with_complet
     status = run.json("status.json")
     assert status["state"] == "completed" and status["committed_step"] == 2
     assert "lease.json" not in run.keys()
+
+
+POLITE_TRAINER = '''\
+"""A trainer of one's own that, like many, catches SIGTERM, commits and exits 0; no progress.json."""
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+
+import checkpoint
+
+parser = argparse.ArgumentParser()
+for name in ("--config", "--data_dir", "--output_dir"):
+    parser.add_argument(name)
+args, _ = parser.parse_known_args()
+out = Path(args.output_dir) / "checkpoints"
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+step = 0
+while not stop:
+    step += 1
+    time.sleep(0.2)
+    Path(os.environ["HEALTH_FILE"]).touch()
+    if step == 3:
+        print("polite trainer: training", flush=True)
+with checkpoint.stage(out / checkpoint.step_dir_name(step)) as staged:
+    with staged.open("model.pt") as file:
+        file.write(b"weights of step %d" % step)
+    staged.commit(meta={"step": step, "keep": 3})
+print("polite trainer: committed step", step, "and exits 0", flush=True)
+'''
+
+
+@pytest.mark.slow
+@needs_root
+def test_pod_deleted_while_its_own_trainer_exits_0_on_sigterm_is_not_complete(run, tmp_path):
+    # Without progress.json the runtime cannot tell "done" from "stopped and saved": an exit 0
+    # after SIGTERM must not end the run. torchrun, which gets the SIGTERM first, exits non-zero
+    # whatever its worker does, so the pod exits 143 and writes no COMPLETE (a guard: it held before).
+    trainer = tmp_path / "polite_train.py"
+    trainer.write_text(POLITE_TRAINER)
+    run.s3.upload_file(str(trainer), BUCKET, "code/train.py")
+    pod = run.start()
+    pod.wait_for("polite trainer: training", timeout=180)
+    pod.delete()
+    assert pod.wait() == 143, pod.output
+    assert "and exits 0" in pod.output
+    assert run.committed_steps(), "its step went up"
+    assert "COMPLETE" not in run.keys(), pod.output
