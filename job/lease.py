@@ -150,34 +150,37 @@ class Lease:
             if current is None and retry(self._put, if_none_match=True):
                 return
             if current is not None:
-                owner, etag, age = current
+                owner, etag, age, ttl = current
                 if owner == self.holder:  # our write landed though its answer was lost
                     self._hold(etag, age)
                     return
-                if age > self.ttl and retry(self._put, if_match=etag):
-                    log("lease", f"took over the lease of {owner}, expired {age - self.ttl:.0f}s ago")
+                if age > ttl and retry(self._put, if_match=etag):
+                    log("lease", f"took over the lease of {owner}, expired {age - ttl:.0f}s ago")
                     return
-                if age <= self.ttl:
+                if age <= ttl:
                     if retry(self._complete):
                         return
                     if time.monotonic() > deadline:
                         raise s3lib.Unavailable(f"another pod ({owner}) holds the lease on {self.run} "
                                                 f"(renewed {age:.0f}s ago); gave up after {wait_seconds:.0f}s")
                     log("lease", f"{owner} holds the lease on {self.run} (renewed {age:.0f}s ago): waiting")
-                    time.sleep(min(10.0, max(1.0, self.ttl - age + 0.5)))
+                    time.sleep(min(10.0, max(1.0, ttl - age + 0.5)))
 
-    def _read(self) -> tuple[str, str, float] | None:
-        """(holder, etag, seconds since its last renewal on S3's clock) or None."""
+    def _read(self) -> tuple[str, str, float, float] | None:
+        """(holder, etag, seconds since its last renewal on S3's clock, the TTL that applies) or None."""
         try:
             answer = self.s3.get_object(Bucket=self.run.bucket, Key=self.run.key(KEY))
         except botocore.exceptions.ClientError as err:
             if s3lib.not_found(err):
                 return None
             raise
-        body = json.loads(answer["Body"].read())
+        with answer["Body"] as stream:
+            body = _lease_body(stream.read(_MAX_LEASE_BYTES + 1))
         server_now = _server_time(answer)
         age = (server_now - answer["LastModified"]).total_seconds()
-        return body.get("holder", "?"), answer["ETag"], age
+        # The holder's own TTL when longer: a pod that renews every 40 s (TTL 120) must not be taken
+        # over after this pod's 30 s.
+        return body["holder"], answer["ETag"], age, max(self.ttl, body["ttl"])
 
     def _complete(self) -> bool:
         try:
@@ -353,6 +356,23 @@ class Keeper(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+
+
+_MAX_LEASE_BYTES = 64 << 10  # a lease is ~150 bytes; anyone who may write the bucket may write it
+
+
+def _lease_body(raw: bytes) -> dict:
+    """holder and ttl from a lease object; one that is damaged names no holder ("?") and no TTL of
+    its own: it expires like any other and is taken over with If-Match."""
+    try:
+        body = json.loads(raw) if len(raw) <= _MAX_LEASE_BYTES else None
+    except (ValueError, RecursionError):
+        body = None
+    body = body if isinstance(body, dict) else {}
+    holder = body.get("holder") if isinstance(body.get("holder"), str) else "?"
+    ttl = body.get("ttl_seconds")
+    ttl = float(ttl) if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and 0 < ttl < 1e6 else 0.0
+    return {"holder": holder[:200], "ttl": ttl}
 
 
 def _server_time(answer: dict) -> datetime:

@@ -310,3 +310,28 @@ def test_every_write_request_of_the_uploader_waits_on_the_lease_reads_do_not(s3,
         assert sorted(keys_in_s3(uploader.s3, "runs/gated/")) == ["runs/gated/lease.json", "runs/gated/old"]
     finally:
         uploader.keeper.stop()
+
+
+# -- what another pod left in lease.json -------------------------------------------------------
+
+def test_a_lease_is_not_taken_over_before_its_holders_own_ttl(s3, s3_endpoint, tmp_path):
+    # A holder with a longer TTL (say 120, renewing every 40 s) must not lose its lease to a pod
+    # whose own TTL is shorter: it may still write until its own TTL/2.
+    s3.put_object(Bucket=BUCKET, Key="runs/mixed/lease.json",
+                  Body=json.dumps({"holder": "old-pod/1", "ttl_seconds": 120}).encode())
+    time.sleep(4)  # older than the taker's TTL of 3, far younger than the holder's 120
+    result = acquire(tmp_path, s3_endpoint, f"s3://{BUCKET}/runs/mixed/", LEASE_TTL_SECONDS="3",
+                     LEASE_WAIT_SECONDS="0")
+    assert result.returncode == 75, result.stdout + result.stderr
+    assert "another pod (old-pod/1) holds the lease" in result.stdout
+    body = json.loads(s3.get_object(Bucket=BUCKET, Key="runs/mixed/lease.json")["Body"].read())
+    assert body["holder"] == "old-pod/1"
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b"{" * 50_000 + b"}" * 50_000, b'{"holder": 7}'])
+def test_a_damaged_lease_expires_and_is_taken_over_like_any_other(s3, s3_endpoint, tmp_path, body):
+    s3.put_object(Bucket=BUCKET, Key="runs/damaged/lease.json", Body=body)
+    time.sleep(4)
+    result = acquire(tmp_path, s3_endpoint, f"s3://{BUCKET}/runs/damaged/", LEASE_TTL_SECONDS="3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "took over the lease of ?" in result.stdout and "Traceback" not in result.stderr
