@@ -129,6 +129,7 @@ class Uploader:
         self.state_dir = Path(os.environ.get("STATE_DIR", out / ".pod"))
         self.log_file = Path(os.environ["LOG_FILE"]) if os.environ.get("LOG_FILE") else None
         self.growing: dict[str, Growing] = {}  # segment prefix -> what S3 has of that file
+        self.whole_sent: dict[str, tuple[int, int]] = {}  # key -> (size, mtime) of what went up whole
         self.retention_checked = False
         self.remote: dict[str, dict | None] = {}  # checkpoint name -> its manifest's files in S3
         self.keeper: Keeper | None = None
@@ -244,8 +245,9 @@ class Uploader:
         self.write(put)
 
     def _same_bytes_in_s3(self, folder_name: str, name: str, manifest: dict) -> str | None:
-        step = manifest.get("meta", {}).get("step")
-        if checkpoint.parse_step(folder_name) is not None or step is None:
+        meta = manifest.get("meta")
+        step = meta.get("step") if isinstance(meta, dict) else None
+        if checkpoint.parse_step(folder_name) is not None or not isinstance(step, int) or step < 0:
             return None
         source = checkpoint.step_dir_name(step)
         remote = self.remote_files(source)
@@ -305,11 +307,24 @@ class Uploader:
         events = self.out / "tensorboard"
         if events.is_dir():
             for path in sorted(p for p in events.rglob("*") if p.is_file()):
-                prefix = self.run.key("tensorboard", str(path.relative_to(events))) + "."
-                self._put_new_part(path, prefix, "", whole_records_length)
+                key = self.run.key("tensorboard", str(path.relative_to(events)))
+                if ".tfevents." in path.name:  # records only grow: new ones go up as a segment
+                    self._put_new_part(path, key + ".", "", whole_records_length)
+                else:  # a projector config, a profile: whole, when it changed
+                    self._put_whole_if_changed(path, key)
         if self.log_file and self.log_file.is_file() and self.attempt:  # its name needs the attempt
             self._put_new_part(self.log_file, self.run.key("logs", self.log_name()) + "/", ".log",
                                lambda path, _start: whole_lines_length(path))
+
+    def _put_whole_if_changed(self, path: Path, key: str) -> None:
+        stat = path.stat()
+        seen = (stat.st_size, stat.st_mtime_ns)
+        if self.whole_sent.get(key) == seen:
+            return
+        with open(path, "rb") as file:
+            body = file.read()
+        self.write(self.s3.put_object, Bucket=self.run.bucket, Key=key, Body=body)
+        self.whole_sent[key] = seen
 
     def _put_new_part(self, path: Path, prefix: str, suffix: str, whole_length) -> None:
         """Put the file's bytes from what S3 has of it up to its last whole record (line), as its
@@ -508,7 +523,10 @@ def final(uploader: Uploader, exit_code: int) -> int:
         log("uploader", f"error: {err}; nothing more is uploaded")
         return EXIT_LEASE_LOST
     uploader.keeper.stop()
-    uploader.keeper.lease.release(uploader.retry)
+    try:
+        uploader.keeper.lease.release(uploader.retry)
+    except (s3lib.BadInput, s3lib.Unavailable) as err:  # everything is up: the lease lapses in its TTL
+        log("uploader", f"warning: the lease was not released ({err}); the next pod waits out its TTL")
     log("uploader", f"final upload done in {time.monotonic() - started:.1f}s")
     return code
 
@@ -594,9 +612,12 @@ def _state_for(exit_code: int) -> str:
 
 
 def _keep_of(folder: Path) -> int:
-    """The trainer's checkpoint.keep, which it records in each manifest."""
+    """The trainer's checkpoint.keep, which it records in each manifest (3 when it records none
+    that makes sense: a trainer of one's own may write anything there)."""
     manifest = checkpoint.read_manifest(folder) or {}
-    return int(manifest.get("meta", {}).get("keep", 3))
+    meta = manifest.get("meta")
+    keep = meta.get("keep") if isinstance(meta, dict) else None
+    return keep if isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1 else 3
 
 
 def _heartbeat_time() -> float:

@@ -230,3 +230,21 @@ def test_a_restarted_watcher_and_final_carry_on_the_segments_and_a_replaced_log_
     logs = concatenated(s3, s3_objects(s3, "logs/"))
     assert logs == uploaded + b"a new log: the file was replaced\n", "nothing repeated; the new log after the old"
     assert len(s3_objects(s3, "logs/")) >= 3
+
+
+def test_files_beside_the_event_files_go_up_whole_and_only_when_they_change(s3, s3_endpoint, tmp_path):
+    # A projector config or a profile is no stream of records: cut as one it would never go up.
+    out, log = tmp_path / "out", tmp_path / "pod.log"
+    log.write_text("")
+    env = {**uploader_env(tmp_path, s3_endpoint), "LOG_FILE": str(log)}
+    take_lease(env, URI)
+    trainer = Trainer(out, log)
+    trainer.interval()
+    config = trainer.event_file().parent / "projector_config.pbtxt"
+    config.write_text("embeddings { tensor_name: 'wte' }\n")
+    final = subprocess.run([sys.executable, str(JOB / "uploader.py"), "final", URI, str(out), "1"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert final.returncode == 0, final.stdout + final.stderr
+    whole = [k for k in s3_objects(s3, "tensorboard/") if "projector_config" in k]
+    assert [k.rsplit("/", 1)[-1] for k in whole] == ["projector_config.pbtxt"], whole
+    assert s3.get_object(Bucket=BUCKET, Key=whole[0])["Body"].read() == config.read_bytes()

@@ -147,3 +147,18 @@ def test_a_stop_asked_for_mid_round_ends_the_round():
               uploader.Chore("status.json", lambda: ran.append("status"), 0.0)]
     uploader.run_round(chores, stopping)
     assert ran == ["checkpoints"], "the final upload does the rest"
+
+
+@pytest.mark.parametrize("meta,keep", [
+    ({"keep": 2}, 2), ({}, 3), ({"keep": 0}, 3), ({"keep": -1}, 3), ({"keep": "2"}, 3), ({"keep": True}, 3),
+    ({"keep": 2.5}, 3),
+])
+def test_keep_comes_from_the_manifest_when_it_makes_sense(tmp_path, meta, keep):
+    # A trainer of one's own may record anything: 0 would upload no checkpoint at all.
+    import checkpoint
+
+    with checkpoint.stage(tmp_path / "step-00000005") as staged:
+        with staged.open("model.pt") as file:
+            file.write(b"w")
+        staged.commit(meta=meta)
+    assert uploader._keep_of(tmp_path / "step-00000005") == keep
