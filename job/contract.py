@@ -63,8 +63,10 @@ def signal_exit_code(signum: int) -> int:
 # -- what a trainer and the runtime share, under OUTPUT_DIR (WORK_DIR/out) ----------------------
 # A trainer MUST commit checkpoints as CHECKPOINTS_DIR/step-NNNNNNNN/ with MANIFEST written last
 # (checkpoint.py does it). It MAY write PROGRESS_FILE (then COMPLETE waits for its max_steps;
-# status.py shows it), TENSORBOARD_DIR (uploaded as it grows), CHECKPOINTS_DIR/best/, and touch
-# $HEALTH_FILE (else the pod's own heartbeat stands in for it). Nothing else is read.
+# status.py shows it), TENSORBOARD_DIR (uploaded as it grows) and CHECKPOINTS_DIR/best/. It MUST touch
+# $HEALTH_FILE at least every HEALTH_MAX_AGE_SECONDS while it trains: the liveness probe kills a pod
+# whose heartbeat is older (the pod's own heartbeat runs only during the final upload: one while
+# training would hide a hung step). Nothing else is read.
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST = "manifest.json"
@@ -77,7 +79,7 @@ LEASE_STATE = "lease.json"        # lease.py acquire writes it once held: script
 POD_LOG = "pod.log"
 TRAINER_ERROR = "trainer-error.json"  # TORCHELASTIC_ERROR_FILE: the worker's exit code and message
 READY_FILE_DEFAULT = "/tmp/ready"     # startup probe: touched once restored
-HEALTH_FILE_DEFAULT = "/tmp/healthy"  # liveness probe: the heartbeat, touched every 5 s and per step
+HEALTH_FILE_DEFAULT = "/tmp/healthy"  # liveness probe: the trainer's heartbeat (train.py: every 2 s)
 
 # -- the run's objects in S3, under S3_OUTPUT_URI ----------------------------------------------
 

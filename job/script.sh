@@ -19,7 +19,7 @@
 #   UPLOAD_RETRY_SECONDS   30                       one round of the uploader's retries (>= 1)
 #   READY_FILE             /tmp/ready               absolute; touched once restored (startup probe)
 #   HEALTH_FILE            /tmp/healthy             absolute; heartbeat (liveness probe)
-#   HEALTH_MAX_AGE_SECONDS 600                      liveness fails past this heartbeat age (>= 10: beats every 5 s)
+#   HEALTH_MAX_AGE_SECONDS 600                      liveness fails past this heartbeat age (>= 10; the trainer must beat more often)
 #   AWS_ENDPOINT_URL       an S3-compatible store (http:// or https://); every S3 call honours it
 #   AWS_MAX_ATTEMPTS       5                        the AWS CLI's attempts per call (>= 1; boto3 has its own)
 #   AWS_RETRY_MODE         standard                 the AWS CLI's: standard, adaptive or legacy
@@ -290,7 +290,7 @@ check_timings() {
   # Renewed every third of it: below 3 s that is more than one S3 write a second (0: no pause at all).
   check_seconds LEASE_TTL_SECONDS 3 "the lease is renewed every third of it"
   check_seconds LEASE_WAIT_SECONDS 0 "how long a second pod waits for a live pod's lease"
-  # The pod's own heartbeat comes every 5 s: a limit near that fails the probe on one late beat.
+  # Heartbeats come every 2 s (train.py) or 5 s (the final upload): a limit near that fails on one late beat.
   check_seconds HEALTH_MAX_AGE_SECONDS 10 "the liveness probe's limit on the heartbeat's age, which is renewed every 5 s"
   check_one_of S3_LEASE "on|off" "on or off"
   export SYNC_INTERVAL_SECONDS UPLOAD_RETRY_SECONDS LEASE_TTL_SECONDS LEASE_WAIT_SECONDS HEALTH_MAX_AGE_SECONDS S3_LEASE
@@ -428,7 +428,7 @@ s3_retry() {
     fi
     delay=$((delay > deadline - SECONDS ? deadline - SECONDS : delay))
     warn "S3 failed for ${uri} (try ${attempt}: $(tail -n 1 <<<"${text}")); again in ${delay}s"
-    sleep "${delay}"
+    run_child sleep "${delay}"  # a child, so a SIGTERM during the wait stops the pod at once
     attempt=$((attempt + 1))
     delay=$((delay * 2 > 60 ? 60 : delay * 2 + RANDOM % 3))
   done
@@ -682,7 +682,8 @@ main() {
   validate_settings
   # Everything the pod prints, and the log the uploader puts in S3, with URL credentials hidden
   # (a token in a requirements index URL that pip quotes). sed -u: line by line, no buffering.
-  exec > >(LC_ALL=C sed -u -E -f "${JOB_DIR}/redact.sed" | tee -a "${LOG_FILE}") 2>&1
+  # A new file each pod: on a WORK_DIR that outlives pods, this attempt's log in S3 is its own.
+  exec > >(LC_ALL=C sed -u -E -f "${JOB_DIR}/redact.sed" | tee "${LOG_FILE}") 2>&1
   TEE_PID=$!
   trap finish EXIT
   log "pod ${HOSTNAME:-?} starting: code ${S3_CODE_URI}, data ${S3_DATA_URI}, output ${S3_OUTPUT_URI}, ${NPROC_PER_NODE} process(es), sync with ${S3_SYNC_TOOL}"
