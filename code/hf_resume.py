@@ -240,6 +240,10 @@ class CommitCallback(TrainerCallback):
                     f"committing a checkpoint of it before exit")
             control.should_save = True
             control.should_training_stop = True
+        if state.global_step >= state.max_steps:
+            # The runtime writes COMPLETE only once the last step is committed; transformers saves
+            # it only under save_strategy "steps" (not "no", "best", or an epoch that ends later).
+            control.should_save = True
         return control
 
     def on_substep_end(self, args, state, control, **kwargs):

@@ -145,3 +145,14 @@ def test_only_the_trainers_own_numbered_folders_count_as_torn(tmp_path):
     trainer_save(tmp_path, 7, {"m": b"7"})
     assert hf_resume.newest_committed(tmp_path) is None
     assert (tmp_path / "checkpoint-notes").is_dir() and not (tmp_path / "checkpoint-7").exists()
+
+
+@pytest.mark.parametrize("step,saves", [(19, False), (20, True)])
+def test_the_last_step_is_always_saved_whatever_the_save_strategy(step, saves):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    callback = hf_resume.CommitCallback(Path(os.devnull).parent / "unused")
+    state = TrainerState(global_step=step, max_steps=20)
+    args = TrainingArguments(output_dir="unused", save_strategy="no", report_to=[])
+    control = callback.on_step_end(args, state, TrainerControl())
+    assert control.should_save is saves
