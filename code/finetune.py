@@ -133,14 +133,6 @@ class CheckpointSettings:
 
 
 @dataclasses.dataclass
-class LogSettings:
-    interval: int = 10
-
-    def check(self) -> None:
-        _require(self.interval >= 1, "log.interval", "must be at least 1")
-
-
-@dataclasses.dataclass
 class Settings:
     model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
     lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
@@ -148,7 +140,7 @@ class Settings:
     train: TrainSettings = dataclasses.field(default_factory=TrainSettings)
     eval: EvalSettings = dataclasses.field(default_factory=EvalSettings)
     checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
-    log: LogSettings = dataclasses.field(default_factory=LogSettings)
+    log: config.LogConfig = dataclasses.field(default_factory=config.LogConfig)  # the trainer's own
 
     def check(self) -> None:
         for group in dataclasses.fields(self):
