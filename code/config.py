@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
+import sys
+import time
 import typing
 from pathlib import Path
 
@@ -19,6 +22,21 @@ import yaml
 
 class ConfigError(Exception):
     """Bad input that no retry can fix."""
+
+
+EXIT_BAD_INPUT = 64
+
+
+def report_failure(message: str, rank: int, code: int = EXIT_BAD_INPUT) -> int:
+    """One line on stderr (rank 0), and torchelastic's error file, so the pod learns the code:
+    torchrun itself exits 1 whatever its workers' codes, and copies this file with theirs."""
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        payload = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        Path(error_file).write_text(json.dumps(payload))
+    return code
 
 
 @dataclasses.dataclass

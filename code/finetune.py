@@ -37,7 +37,7 @@ from pathlib import Path  # noqa: E402
 import config  # noqa: E402
 from config import ConfigError, _require  # noqa: E402
 
-EXIT_BAD_INPUT = 64
+EXIT_BAD_INPUT = config.EXIT_BAD_INPUT
 SCHEDULERS = ("cosine", "linear", "constant_with_warmup")
 
 
@@ -396,14 +396,8 @@ def run(settings: Settings, args: argparse.Namespace, world_size: int, texts: tu
 
 
 def report_bad_input(err: Exception) -> int:
-    """One line on stderr, and torchelastic's error file, so torchrun's exit carries code 64."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        payload = {"message": {"message": str(err), "extraInfo": {"timestamp": str(int(time.time()))}}}
-        Path(error_file).write_text(json.dumps(payload))
-    return EXIT_BAD_INPUT
+    """One line, and torchelastic's error file, so torchrun's exit carries code 64."""
+    return config.report_failure(str(err), int(os.environ.get("RANK", 0)))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -49,7 +49,7 @@ from async_save import AsyncSaver, NoSpace, SaveFailed, folder_mb, link_best, wr
 from config import Config, ConfigError
 from model import GPT
 
-EXIT_BAD_INPUT = 64
+EXIT_BAD_INPUT = config.EXIT_BAD_INPUT
 # torch.load(weights_only=True) runs code from a crafted file before 2.6 (CVE-2025-32434), and a
 # checkpoint comes from S3, which others may be able to write.
 SAFE_TORCH = (2, 6)
@@ -619,13 +619,7 @@ def report_bad_input(err: ConfigError, rt: Runtime) -> int:
 
 
 def report_failure(message: str, rt: Runtime, code: int) -> int:
-    if rt.rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        payload = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
-        Path(error_file).write_text(json.dumps(payload))
-    return code
+    return config.report_failure(message, rt.rank, code)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
