@@ -27,15 +27,47 @@ class ConfigError(Exception):
 EXIT_BAD_INPUT = 64
 
 
+EXIT_UNAVAILABLE = 75   # a retry may pass (counted by the Job)
+EXIT_PEER_LOST = 138    # a peer of a formed group went away: the Job restarts the group, uncounted
+
+# How a collective fails when the process at the other end is gone: its socket closed by the
+# kernel (pod killed, SIGKILL, OOM) or no answer within the process group's timeout (node lost).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
+_DIST_ERRORS = ("DistNetworkError", "DistBackendError", "DistStoreError")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether ERR is another process of the group gone, not a fault of this one."""
+    text = str(err)
+    if type(err).__name__ in _DIST_ERRORS:
+        return True
+    return isinstance(err, RuntimeError) and "gloo" in text and any(marker in text for marker in _PEER_GONE)
+
+
+def group_failure_code(err: BaseException, trained: bool) -> int | None:
+    """The exit code for a collective that failed, or None when ERR is the trainer's own fault.
+    Only a group that trained a step here counts as formed: one that fails before that every time
+    (a wrong address, a firewall) must use up the Job's retries (75), not restart forever (138)."""
+    if not peer_lost(err):
+        return None
+    return EXIT_PEER_LOST if trained else EXIT_UNAVAILABLE
+
+
+def record_exit(code: int, message: str) -> None:
+    """torchelastic's error file with CODE, no line: torchrun exits 1 whatever its workers' codes,
+    and a node stopped by its peers' signal has nothing to say on stderr."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        payload = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        Path(error_file).write_text(json.dumps(payload))
+
+
 def report_failure(message: str, rank: int, code: int = EXIT_BAD_INPUT) -> int:
     """One line on stderr (rank 0), and torchelastic's error file, so the pod learns the code:
     torchrun itself exits 1 whatever its workers' codes, and copies this file with theirs."""
     if rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        payload = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
-        Path(error_file).write_text(json.dumps(payload))
+    record_exit(code, message)
     return code
 
 

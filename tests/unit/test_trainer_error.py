@@ -33,6 +33,20 @@ def test_read(tmp_path, record, expected):
     assert trainer_error.read(error_file(tmp_path, record)) == expected
 
 
+@pytest.mark.parametrize("message", ["RendezvousTimeoutError: ", "RendezvousClosedError: closed",
+                                     "RendezvousConnectionError: The connection to the C10d store has failed"])
+def test_a_group_that_never_formed_is_75_a_retry_may_pass(tmp_path, message):
+    # torchrun's own exception, as its @record writes it (seen with join_timeout=5 and one node).
+    code, text = trainer_error.read(error_file(tmp_path, {"message": {"message": message, "extraInfo": {}}}))
+    assert code == 75
+    assert "rendezvous failed" in text and message.split(":")[0] in text
+
+
+def test_a_worker_code_wins_over_a_rendezvous_looking_message(tmp_path):
+    record = {"message": {"message": "RendezvousTimeoutError in my own code", "errorCode": 1}}
+    assert trainer_error.read(error_file(tmp_path, record))[0] == 1
+
+
 def test_a_missing_file_says_see_the_traceback(tmp_path):
     assert trainer_error.read(str(tmp_path / "none.json")) == (None, trainer_error.NO_MESSAGE)
 

@@ -1,0 +1,163 @@
+"""A group of pods: node 0 says which checkpoint everyone resumes from (job/group.py), and a
+collective that fails because a peer went away is told apart from the trainer's own fault
+(code/config.py). No root, no S3: node 0's answer over a real local HTTP server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import checkpoint
+import config
+import group
+
+RUN = "s3://bucket/runs/a/"
+JOB = Path(__file__).resolve().parents[2] / "job"
+
+
+@pytest.mark.parametrize("state,problem", [
+    ({"run": RUN, "state": "restored", "step": "step-00000020"}, None),
+    ({"run": RUN, "state": "restored", "step": None}, None),
+    ({"run": RUN, "state": "waiting", "step": None}, None),
+    ({"run": RUN, "state": "complete", "step": None}, None),
+    ({"run": "s3://bucket/runs/b/", "state": "restored", "step": None}, "node 0 serves run"),
+    ({"run": RUN, "state": "restored", "step": "../../train.py"}, "named no checkpoint folder"),
+    ({"run": RUN, "state": "restored", "step": "best"}, "named no checkpoint folder"),
+    ({"run": RUN, "state": "restored", "step": 20}, "named no checkpoint folder"),
+    ({"run": RUN, "state": "done"}, "not a group state"),
+    (["restored"], "not a group state"),
+    ("restored", "not a group state"),
+])
+def test_what_node_0_says_is_checked_before_it_is_used(state, problem):
+    found = group.state_problem(state, RUN)
+    assert (found is None) if problem is None else (problem in found)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def node0(tmp_path):
+    """Node 0's server, as script.sh starts it: `group.py serve PORT STATE_FILE`."""
+    port, state = free_port(), tmp_path / "group.json"
+    group.say(state, RUN, "waiting")
+    server = subprocess.Popen([sys.executable, str(JOB / "group.py"), "serve", str(port), str(state)])
+    yield f"127.0.0.1:{port}", state
+    server.kill()
+    server.wait()
+
+
+def wait_in_background(endpoint: str, seconds: float, run: str = RUN) -> dict:
+    result = {}
+
+    def ask():
+        done = subprocess.run([sys.executable, str(JOB / "group.py"), "wait", endpoint, run, str(seconds)],
+                              capture_output=True, text=True)
+        result.update(code=done.returncode, out=done.stdout, err=done.stderr)
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    result["thread"] = thread
+    return result
+
+
+def test_a_node_waits_while_node_0_waits_for_the_lease_then_takes_its_step(node0, tmp_path):
+    endpoint, state = node0
+    asking = wait_in_background(endpoint, seconds=2)
+    time.sleep(3.5)  # longer than the node's limit: "waiting" is an answer, node 0 is alive
+    assert asking["thread"].is_alive()
+    out = tmp_path / "out"
+    committed = out / "checkpoints" / "step-00000020"
+    with checkpoint.stage(committed) as staged:  # the protocol's own commit: manifest last
+        with staged.open("model.pt") as handle:
+            handle.write(b"weights")
+        staged.commit(meta={})
+    step = subprocess.run([sys.executable, str(JOB / "group.py"), "say", str(state), RUN, "restored", str(out)],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert step == "step-00000020"
+    asking["thread"].join(20)
+    assert asking["code"] == 0 and asking["out"].strip() == "step-00000020"
+
+
+def test_node_0_starting_from_step_0_is_an_empty_answer(node0, tmp_path):
+    endpoint, state = node0
+    group.say(state, RUN, "restored", None)
+    asking = wait_in_background(endpoint, seconds=10)
+    asking["thread"].join(20)
+    assert asking["code"] == 0 and asking["out"] == "\n"
+
+
+def test_node_0_that_found_the_run_complete_ends_the_others_with_3(node0):
+    endpoint, state = node0
+    group.say(state, RUN, "complete")
+    asking = wait_in_background(endpoint, seconds=10)
+    asking["thread"].join(20)
+    assert asking["code"] == 3
+
+
+def test_node_0_of_another_run_is_bad_input(node0):
+    endpoint, _ = node0
+    asking = wait_in_background(endpoint, seconds=10, run="s3://bucket/runs/other/")
+    asking["thread"].join(20)
+    assert asking["code"] == 64
+    assert "serves run" in asking["err"] and "same settings" in asking["err"]
+
+
+def test_no_node_0_at_all_is_75_after_the_limit():
+    asking = wait_in_background(f"127.0.0.1:{free_port()}", seconds=2)
+    asking["thread"].join(20)
+    assert asking["code"] == 75
+    assert "did not say which checkpoint" in asking["err"] and "RDZV_TIMEOUT_SECONDS" in asking["err"]
+
+
+def test_the_newest_committed_step_is_named_not_a_torn_one(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step, whole in ((10, True), (20, True), (30, False)):
+        folder = root / checkpoint.step_dir_name(step)
+        with checkpoint.stage(folder) as staged:
+            with staged.open("model.pt") as handle:
+                handle.write(b"w" * step)
+            if whole:
+                staged.commit(meta={})
+    (root / "step-00000020" / "model.pt").write_bytes(b"short")  # damaged after its commit
+    assert group.newest_committed(tmp_path) == "step-00000010"
+
+
+GLOO_RESET = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:55455: "
+              "Connection reset by peer. This is typically caused by a remote worker hanging")
+
+
+class DistBackendError(RuntimeError):
+    """Named as torch.distributed's: the rule reads the class name, not torch."""
+
+
+@pytest.mark.parametrize("err,trained,code", [
+    (RuntimeError(GLOO_RESET), True, 138),  # seen: the peer's pod SIGKILLed mid-step
+    (RuntimeError(GLOO_RESET), False, 75),  # a group that never trained a step: counted
+    (RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer [10.0.0.2]:1"), True, 138),
+    (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv"), True, 138),
+    (DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, remote process exited"), True, 138),
+    (RuntimeError("CUDA out of memory"), True, None),  # the trainer's own: its traceback, its code
+    (RuntimeError("Connection reset by peer"), True, None),  # not a collective's (an HTTP client, say)
+    (ValueError("gloo Connection reset by peer"), True, None),
+    (KeyError("step"), True, None),
+])
+def test_a_lost_peer_is_told_apart_from_the_trainers_own_fault(err, trained, code):
+    assert config.group_failure_code(err, trained) == code
+
+
+def test_record_exit_writes_torchrun_s_error_file_without_a_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    config.record_exit(143, "stopped after SIGTERM")
+    assert json.loads((tmp_path / "error.json").read_text())["message"]["message"] == "stopped after SIGTERM"
+    assert capsys.readouterr() == ("", "")
