@@ -3,15 +3,18 @@
 
 Usage:
     python lab/local_pod.py [--env KEY=VALUE]... [--pidfile FILE]
-                                [--configmap NAME=DIR]... [--keep-volumes DIR] job.yaml
+                                [--configmap NAME=DIR]... [--keep-volumes DIR]
+                                [--index I] [--pod-ip 127.0.0.X] [--host NAME=127.0.0.Y]... job.yaml
 
 One run is one pod: the first container of spec.template.spec runs as PID 1 of new PID, mount,
 UTS and IPC namespaces, with the host's filesystem as its "image". Running it again is the Job's
 next pod (restartPolicy is the Job's business). What a pod gets:
 
 - a fresh pod name <job>-<5 chars> (HOSTNAME, hostname, metadata.name); fresh emptyDirs (0777);
-  configMap volumes rendered by `kubectl create configmap NAME --from-file=DIR --dry-run=client`
-  from --configmap NAME=DIR, else from the job/ folder next to job.yaml; volumeMounts with
+  configMap volumes from a ConfigMap of that name in the manifest's own YAML stream (as
+  `kubectl apply -f` of the stream creates it), else rendered by `kubectl create configmap NAME
+  --from-file=DIR --dry-run=client` from --configmap NAME=DIR, else from the job/ folder next to
+  job.yaml; volumeMounts with
   subPath and readOnly; a private /tmp (read-only too under readOnlyRootFilesystem, as in a
   real container) and a private 64Mi /dev/shm;
 - an image's user database: /etc/passwd and /etc/group as an Ubuntu-based image such as
@@ -27,7 +30,15 @@ next pod (restartPolicy is the Job's business). What a pod gets:
 - only the environment a container gets: PATH (the runner's), HOSTNAME, env/envFrom, then --env;
 - exec probes (startup, liveness, readiness) on the kubelet's schedule, run inside the pod;
 - deletion: SIGTERM/SIGINT to the runner = SIGTERM to PID 1, SIGKILL after the grace period
-  (a second signal kills at once); pod-level activeDeadlineSeconds.
+  (a second signal kills at once); pod-level activeDeadlineSeconds;
+- with --index I, what the Job controller gives a pod of an Indexed Job: the name <job>-I-<5 chars>,
+  the hostname <job>-I (spec.hostname; HOSTNAME too), the annotation and label
+  batch.kubernetes.io/job-completion-index=I and JOB_COMPLETION_INDEX=I (refused, exit 64, on a
+  Job that is not Indexed or for an I outside [0, completions)). lab/local_job.py runs all of them;
+- --pod-ip (status.podIP, default 127.0.0.1) and the kubelet's /etc/hosts: "<ip> <hostname>" or,
+  with spec.subdomain, "<ip> <hostname>.<subdomain>.<namespace>.svc.cluster.local <hostname>";
+  each --host NAME=IP adds a line, standing in for the cluster DNS (there is none here: glibc
+  resolves through the pod's /etc/hosts, "hosts: files dns"). Both take loopback addresses only.
 
 The container's output goes straight to the runner's stdout/stderr; the runner's own lines go to
 stderr, prefixed "local_pod: ". Exit status: the container's (128+N when killed by signal N),
@@ -36,8 +47,11 @@ stderr, prefixed "local_pod: ". Exit status: the container's (128+N when killed 
 Not supported (exit 64 where the manifest asks for it): volume types other than emptyDir and
 configMap, init containers, httpGet/tcpSocket/grpc probes, required Secrets (use --env). Sidecar
 containers are ignored (only the first container runs). No network namespace: the pod shares the
-host's network (podIP is 127.0.0.1). No cgroups: resources (cpu, memory, ephemeral-storage,
-nvidia.com/gpu) are accepted and ignored.
+host's network, on its own address in 127.0.0.0/8 (all of it is on lo), so ports are shared: two
+pods binding 0.0.0.0:29400 collide, where in a cluster each pod has its own; a pod binding its
+own --pod-ip does not, and any pod can reach any other's ports (no NetworkPolicy). The names
+--host gives resolve only by exact name (no DNS search path, no SRV records, no Service). No
+cgroups: resources (cpu, memory, ephemeral-storage, nvidia.com/gpu) are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ from __future__ import annotations
 import argparse
 import base64
 import ctypes
+import ipaddress
 import os
 import posixpath
 import re
@@ -177,12 +192,22 @@ class Pod:
     probes: list[Probe]
     grace: float
     active_deadline: float | None
+    hostname: str = ""  # spec.hostname (an Indexed Job's <job>-<index>); else the pod name
+    ip: str = "127.0.0.1"  # status.podIP: a loopback address, the host's network is shared
+    domain: str = ""  # <subdomain>.<namespace>.svc.cluster.local when spec.subdomain is set
+    host_aliases: list[tuple[str, str]] = field(default_factory=list)  # (name, ip): the peers' DNS
 
 
 # ---------------------------------------------------------------- reading job.yaml
 
 
 def load_job(path: Path) -> dict:
+    return load_stream(path)[0]
+
+
+def load_stream(path: Path) -> tuple[dict, dict[str, dict[str, bytes]]]:
+    """The one batch/v1 Job of a manifest (a YAML stream may hold more), and the stream's
+    ConfigMaps by name (what `kubectl apply -f` of the whole stream would create)."""
     if not path.is_file():
         raise BadInput(f"{path}: no such file; pass the path of a batch/v1 Job manifest")
     try:
@@ -194,16 +219,60 @@ def load_job(path: Path) -> dict:
     if len(jobs) != 1:
         kinds = ", ".join(f"{d.get('apiVersion')}/{d.get('kind')}" for d in docs) or "nothing"
         raise BadInput(f"{path}: expected one batch/v1 Job, found {kinds}; pass a Job manifest")
-    return jobs[0]
+    configmaps = {(d.get("metadata") or {}).get("name"): configmap_data(d)
+                  for d in docs if (d.get("apiVersion"), d.get("kind")) == ("v1", "ConfigMap")}
+    return jobs[0], configmaps
 
 
-def pod_name_for(job_meta: dict) -> tuple[str, str]:
+def configmap_data(configmap: dict) -> dict[str, bytes]:
+    data = {key: str(text).encode() for key, text in (configmap.get("data") or {}).items()}
+    data.update({key: base64.b64decode(blob) for key, blob in (configmap.get("binaryData") or {}).items()})
+    return data
+
+
+def pod_name_for(job_meta: dict, index: int | None = None) -> tuple[str, str]:
     job_name = job_meta.get("name") or ""
     if not job_name and job_meta.get("generateName"):
         job_name = job_meta["generateName"] + random_suffix()
     if not job_name:
         raise BadInput("the Job has no metadata.name; give it one")
-    return job_name, f"{job_name}-{random_suffix()}"
+    # The Job controller's generateName: "<job>-" or, for an Indexed Job, "<job>-<index>-".
+    base = job_name if index is None else f"{job_name}-{index}"
+    return job_name, f"{base}-{random_suffix()}"
+
+
+def check_index(job: dict, index: int | None) -> None:
+    """--index is the completion index the Job controller gives each pod of an Indexed Job."""
+    if index is None:
+        return
+    spec = job.get("spec") or {}
+    if spec.get("completionMode") != "Indexed":
+        raise BadInput(f"--index {index}: the Job is not Indexed (spec.completionMode is "
+                       f"{spec.get('completionMode', 'NonIndexed')}); drop --index or make it Indexed")
+    completions = spec.get("completions")
+    if type(completions) is not int or not 0 <= index < completions:
+        raise BadInput(f"--index {index} is outside [0, {completions}) (spec.completions); "
+                       "pass an index the Job has")
+
+
+def loopback_ip(text: str, what: str) -> str:
+    """The pods share the host's network, so a pod's address must be one of lo's (127.0.0.0/8)."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        address = None
+    if address is None or not address.is_loopback:
+        raise BadInput(f"{what} {text!r} is not a loopback address; use one in 127.0.0.0/8, "
+                       "e.g. 127.0.0.10 (the pods share the host's network)")
+    return str(address)
+
+
+def host_alias(text: str) -> tuple[str, str]:
+    name, sep, ip = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?", name):
+        raise BadInput(f"--host {text.split('=')[0]!r} is not NAME=IP with a DNS name; "
+                       "write it as --host r1-0.r1=127.0.0.10")
+    return name, loopback_ip(ip, f"--host {name}:")
 
 
 def random_suffix() -> str:
@@ -229,10 +298,14 @@ def quantity_bytes(value) -> int | None:
 class ConfigMaps:
     """Where each ConfigMap lives locally, rendered once by the real kubectl."""
 
-    def __init__(self, explicit: dict[str, Path], default_dir: Path):
+    def __init__(self, explicit: dict[str, Path], default_dir: Path,
+                 inline: dict[str, dict[str, bytes]] | None = None):
         self.explicit, self.default_dir, self.cache = explicit, default_dir, {}
+        self.inline = inline or {}  # ConfigMaps in the manifest's own stream: used first
 
     def data(self, name: str, optional: bool, use_default: bool = True) -> dict[str, bytes] | None:
+        if name in self.inline:
+            return self.inline[name]
         directory = self.explicit.get(name) or (self.default_dir if use_default else None)
         if directory is None or not directory.is_dir():
             if optional:
@@ -426,11 +499,17 @@ def env_item_value(item: dict, facts: dict, meta: dict, configmaps: ConfigMaps, 
     raise BadInput(f"env {name}: valueFrom {', '.join(source)} is not supported; pass --env {name}=VALUE")
 
 
-def load_pod(job_path: Path, overrides: dict[str, str], configmap_dirs: dict[str, Path]) -> Pod:
-    job = load_job(job_path)
+def load_pod(job_path: Path, overrides: dict[str, str], configmap_dirs: dict[str, Path],
+             index: int | None = None, pod_ip: str = "127.0.0.1",
+             host_aliases: list[tuple[str, str]] | None = None) -> Pod:
+    """The pod the Job's controller and the kubelet would make; `index` for a pod of an Indexed
+    Job, `pod_ip` its (loopback) address, `host_aliases` the peers' names the cluster DNS answers."""
+    job, stream_configmaps = load_stream(job_path)
+    check_index(job, index)
+    pod_ip = loopback_ip(pod_ip, "--pod-ip")
     template = (job.get("spec") or {}).get("template") or {}
     pod_spec = template.get("spec") or {}
-    containers = pod_spec.get("containers") or []
+    containers = [dict(c) for c in pod_spec.get("containers") or []]
     if not containers:
         raise BadInput(f"{job_path}: spec.template.spec.containers is empty; add a container")
     if pod_spec.get("initContainers"):
@@ -438,23 +517,30 @@ def load_pod(job_path: Path, overrides: dict[str, str], configmap_dirs: dict[str
     if len(containers) > 1:
         log(f"only the first container ({containers[0].get('name')}) runs; the others are ignored")
     container = containers[0]  # its resources (cpu, memory, nvidia.com/gpu) are ignored: no cgroups here
-    job_name, pod_name = pod_name_for(job.get("metadata") or {})
+    job_name, pod_name = pod_name_for(job.get("metadata") or {}, index)
+    namespace = (job.get("metadata") or {}).get("namespace", "default")
+    # The Job controller names each pod of an Indexed Job <job>-<index> (spec.hostname), whether
+    # or not a subdomain makes that name resolvable; the kubelet gives the pod its FQDN with one.
+    hostname = f"{job_name}-{index}" if index is not None else pod_spec.get("hostname", "")
+    subdomain = pod_spec.get("subdomain")
     facts = {
         "metadata.name": pod_name,
-        "metadata.namespace": (job.get("metadata") or {}).get("namespace", "default"),
+        "metadata.namespace": namespace,
         "metadata.uid": str(uuid.uuid4()),
         "spec.nodeName": socket.gethostname(),
         "spec.serviceAccountName": pod_spec.get("serviceAccountName", "default"),
-        "status.podIP": "127.0.0.1",  # the pod shares the host's network
+        "status.podIP": pod_ip,  # an address of the host's loopback: the network is shared
         "status.hostIP": "127.0.0.1",
     }
     meta = dict(template.get("metadata") or {})
     job_labels = {"job-name": job_name, "batch.kubernetes.io/job-name": job_name}
     meta["labels"] = {**(meta.get("labels") or {}), **job_labels}
-    configmaps = ConfigMaps(configmap_dirs, job_path.resolve().parent / "job")
+    if index is not None:
+        mark_completion_index(meta, container, index)
+    configmaps = ConfigMaps(configmap_dirs, job_path.resolve().parent / "job", stream_configmaps)
     manifest_env = container_env(container, facts, meta, configmaps, overrides)
     # The host is the image, so its PATH is the image's PATH.
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOSTNAME": pod_name, **manifest_env}
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOSTNAME": hostname or pod_name, **manifest_env}
     volumes = {v["name"]: parse_volume(v, configmaps) for v in pod_spec.get("volumes") or []}
     probes = [parse_probe(kind, container[f"{kind.lower()}Probe"])
               for kind in ("Startup", "Liveness", "Readiness") if container.get(f"{kind.lower()}Probe")]
@@ -468,7 +554,23 @@ def load_pod(job_path: Path, overrides: dict[str, str], configmap_dirs: dict[str
         security=parse_security(pod_spec, container), probes=probes,
         grace=pod_spec.get("terminationGracePeriodSeconds", 30),
         active_deadline=pod_spec.get("activeDeadlineSeconds"),
+        hostname=hostname, ip=pod_ip,
+        domain=f"{subdomain}.{namespace}.svc.cluster.local" if subdomain else "",
+        host_aliases=list(host_aliases or []),
     )
+
+
+def mark_completion_index(meta: dict, container: dict, index: int) -> None:
+    """What the Job controller adds to each pod of an Indexed Job: the annotation, the label, and
+    JOB_COMPLETION_INDEX from the annotation (appended, unless the container defines it itself)."""
+    key = "batch.kubernetes.io/job-completion-index"
+    meta["annotations"] = {**(meta.get("annotations") or {}), key: str(index)}
+    meta["labels"] = {**meta["labels"], key: str(index)}
+    env = list(container.get("env") or [])
+    if not any(item.get("name") == "JOB_COMPLETION_INDEX" for item in env):
+        env.append({"name": "JOB_COMPLETION_INDEX",
+                    "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{key}']"}}})
+    container["env"] = env
 
 
 # ---------------------------------------------------------------- volumes on the host
@@ -499,10 +601,25 @@ def write_volumes(pod: Pod, pod_dir: Path) -> None:
     for name, text in (("passwd", IMAGE_PASSWD), ("group", IMAGE_GROUP)):
         (pod_dir / name).write_text(text)
         (pod_dir / name).chmod(0o644)
-    # The kubelet's /etc/hosts names the pod, so its own hostname resolves (torchrun needs it).
-    (pod_dir / "hosts").write_text(
-        "# Kubernetes-managed hosts file.\n127.0.0.1\tlocalhost\n"
-        f"::1\tlocalhost ip6-localhost ip6-loopback\n127.0.0.1\t{pod_hostname(pod)}\n")
+    (pod_dir / "hosts").write_text(hosts_file(pod))
+
+
+def hosts_file(pod: Pod) -> str:
+    """The kubelet's /etc/hosts: the pod's own name resolves (torchrun needs it), as
+    <ip> <hostname>.<subdomain>.<namespace>.svc.cluster.local <hostname> with a subdomain. The
+    runner has no DNS server: the peers' names (--host) go here too, grouped by address as the
+    kubelet writes hostAliases, so glibc ("hosts: files dns") answers what the cluster DNS would."""
+    hostname = pod_hostname(pod)
+    names = f"{hostname}.{pod.domain}\t{hostname}" if pod.domain else hostname
+    text = ("# Kubernetes-managed hosts file.\n127.0.0.1\tlocalhost\n"
+            f"::1\tlocalhost ip6-localhost ip6-loopback\n{pod.ip}\t{names}\n")
+    by_ip: dict[str, list[str]] = {}
+    for name, ip in pod.host_aliases:
+        by_ip.setdefault(ip, []).append(name)
+    if by_ip:
+        text += "\n# What the cluster DNS would answer (local_pod.py --host).\n"
+        text += "".join(f"{ip}\t{chr(9).join(names)}\n" for ip, names in by_ip.items())
+    return text
 
 
 def image_paths_under_mounts(pod: Pod) -> list[str]:
@@ -524,7 +641,7 @@ def image_paths_under_mounts(pod: Pod) -> list[str]:
 
 
 def pod_hostname(pod: Pod) -> str:
-    return pod.name[:63].rstrip("-.")
+    return pod.hostname or pod.name[:63].rstrip("-.")
 
 
 def volume_source(pod: Pod, mount: Mount) -> str:
@@ -935,6 +1052,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--configmap", action="append", default=[], metavar="NAME=DIR",
                         help="local directory of ConfigMap NAME (default: job/ next to job.yaml)")
     parser.add_argument("--keep-volumes", metavar="DIR", help="keep the pod's volumes in DIR/<pod name>")
+    parser.add_argument("--index", type=int, metavar="I",
+                        help="run the pod of completion index I of an Indexed Job")
+    parser.add_argument("--pod-ip", default="127.0.0.1", metavar="IP",
+                        help="the pod's address (status.podIP, /etc/hosts): a loopback one")
+    parser.add_argument("--host", action="append", default=[], metavar="NAME=IP",
+                        help="an /etc/hosts entry (what the cluster DNS would answer for a peer)")
     parser.add_argument("job", type=Path, help="a batch/v1 Job manifest")
     return parser.parse_args(argv)
 
@@ -966,7 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = dict(key_value(text, "--env") for text in args.env)  # last one wins
         configmap_dirs = {k: Path(v) for k, v in (key_value(t, "--configmap") for t in args.configmap)}
-        pod = load_pod(args.job, overrides, configmap_dirs)
+        aliases = [host_alias(text) for text in args.host]
+        pod = load_pod(args.job, overrides, configmap_dirs, args.index, args.pod_ip, aliases)
         check_host()
         pod_dir = make_pod_dir(pod, args.keep_volumes)
     except BadInput as error:

@@ -1,0 +1,197 @@
+"""lab/local_job.py runs an Indexed Job's pods side by side: each pod's identity, the peers' names,
+and the Job controller's podFailurePolicy, with tiny bash pods (no trainer, no S3).
+
+Manifests write $$ for the shell's $: Kubernetes turns $$ into $ in command and args.
+"""
+
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import yaml
+
+import local_job
+from podlab import ROOT
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="local_pod needs root for namespaces and mounts"),
+    pytest.mark.timeout(60),
+]
+
+# The rendered Job's rules (scripts/submit.py --engine indexed).
+RENDERED_POLICY = {"rules": [
+    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+    {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [64]}},
+    {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [138]}},
+]}
+
+
+@pytest.fixture(autouse=True)
+def runner_env(tool_path):
+    """kubectl on PATH for the runner."""
+
+
+@pytest.fixture
+def first_ip():
+    """Addresses of their own in 127/8 for each test's pods: tests run beside other jobs here."""
+    return f"127.{random.randint(1, 254)}.{random.randint(0, 254)}.10"
+
+
+@pytest.fixture
+def shared():
+    """A host folder the pods see (not under /tmp: each pod has its own /tmp)."""
+    folder = tempfile.mkdtemp(prefix="local_job-test-", dir="/var/tmp")
+    os.chmod(folder, 0o777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def jobs():
+    started = []
+    yield started
+    for job in started:
+        job.stop(grace=2)
+
+
+def write_job(directory, script, env=(), policy=None, backoff_limit=6, pods=2):
+    """An Indexed Job `demo` of `pods` pods, subdomain demo, whose container `trainer` runs bash -c script."""
+    container = {"name": "trainer", "image": "unused", "command": ["bash", "-c", script],
+                 "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                         *({"name": k, "value": v} for k, v in env)]}
+    spec = {"completionMode": "Indexed", "completions": pods, "parallelism": pods, "backoffLimit": backoff_limit,
+            "podReplacementPolicy": "Failed",
+            "template": {"spec": {"restartPolicy": "Never", "subdomain": "demo", "containers": [container],
+                                  "terminationGracePeriodSeconds": 2}}}
+    if policy:
+        spec["podFailurePolicy"] = policy
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "demo"}, "spec": spec}
+    path = directory / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def start(jobs, path, first_ip, **kwargs):
+    job = local_job.IndexedJob(path, first_ip=first_ip, folder=path.parent / "pods", **kwargs)
+    jobs.append(job)
+    return job.start()
+
+
+SERVER = """
+import os, socket
+server = socket.create_server((os.environ["POD_IP"], 29400))
+print("listening", flush=True)
+connection, _ = server.accept()
+connection.sendall(f"hello from {socket.gethostname()}".encode())
+"""
+CLIENT = """
+import socket, time
+for _ in range(300):
+    try:
+        connection = socket.create_connection(("demo-0.demo", 29400), timeout=5)
+        break
+    except OSError:
+        time.sleep(0.1)
+print("received", connection.recv(100).decode(), "from", connection.getpeername()[0], flush=True)
+"""
+IDENTITY = """
+echo "hostname=$$(hostname) HOSTNAME=$$HOSTNAME index=$$JOB_COMPLETION_INDEX ip=$$POD_IP"
+echo "peer $$(getent hosts demo-0.demo)"
+if [ "$$JOB_COMPLETION_INDEX" = 0 ]; then exec python3 -c "$$SERVER"; else exec python3 -c "$$CLIENT"; fi
+"""
+
+
+def test_pods_know_their_index_and_reach_each_other_by_name(tmp_path, jobs, first_ip):
+    path = write_job(tmp_path, IDENTITY, env=[("SERVER", SERVER), ("CLIENT", CLIENT)])
+    job = start(jobs, path, first_ip)
+    assert job.wait(40) == ("Complete", "CompletionsReached"), job.history
+    ip0 = first_ip
+    ip1 = first_ip.rsplit(".", 1)[0] + ".11"
+    out0, out1 = job.pod(0).output, job.pod(1).output
+    assert f"hostname=demo-0 HOSTNAME=demo-0 index=0 ip={ip0}\n" in out0
+    assert f"hostname=demo-1 HOSTNAME=demo-1 index=1 ip={ip1}\n" in out1
+    # glibc in the pod resolves the peer's name through the pod's /etc/hosts, to pod 0's address
+    assert f"peer {ip0}" in out1 and "demo-0.demo" in out1
+    # the rendezvous name works: pod 1 reached pod 0's server, listening on pod 0's own address
+    assert f"received hello from demo-0 from {ip0}\n" in out1
+    assert sorted(job.history) == [(0, 0, "succeeded"), (1, 0, "succeeded")]
+    assert re.search(r"local_pod: pod demo-0-[a-z0-9]{5}: starting", out0)  # <job>-<index>-<suffix>
+
+
+# Each pod counts its own attempts in a shared file and exits as plan-<index>-<attempt> says;
+# with no plan it waits. SIGTERM: exit 143 (trapped first: PID 1 has no default action for it).
+PLANNED = """
+trap 'exit 143' TERM
+echo "$$JOB_COMPLETION_INDEX" >> "$$SHARED/starts"
+attempt=$$(grep -cx "$$JOB_COMPLETION_INDEX" "$$SHARED/starts")
+echo "index $$JOB_COMPLETION_INDEX attempt $$attempt"
+plan="$$SHARED/plan-$$JOB_COMPLETION_INDEX-$$attempt"
+if [ -f "$$plan" ]; then exit "$$(cat "$$plan")"; fi
+sleep 60 & wait
+"""
+
+
+def plan(shared, **codes):
+    for name, code in codes.items():  # plan_0_1=138: index 0's first pod exits 138
+        with open(os.path.join(shared, name.replace("_", "-")), "w") as file:
+            file.write(str(code))
+
+
+def test_rendered_policy_ignores_138_counts_1_and_fails_on_64(tmp_path, jobs, first_ip, shared):
+    plan(shared, plan_0_1=138, plan_0_2=1, plan_0_3=64)
+    path = write_job(tmp_path, PLANNED, env=[("SHARED", shared)], policy=RENDERED_POLICY)
+    job = start(jobs, path, first_ip)
+    assert job.wait(40) == ("Failed", "PodFailurePolicy")
+    # 138 replaced, not counted; 1 replaced and counted; 64 fails the Job, and the other pod is deleted
+    assert job.history == [(0, 138, "ignored"), (0, 1, "counted"), (0, 64, "failjob"), (1, 143, "terminated")]
+    assert (job.attempts(0), job.attempts(1), job.failures) == (3, 1, 1)
+    assert "index 0 attempt 2\n" in job.pods(0)[1].output and "index 0 attempt 3\n" in job.output(0)
+
+
+def test_preemption_is_ignored_a_lost_node_counted_past_the_backoff_limit(tmp_path, jobs, first_ip, shared):
+    plan(shared, plan_1_1=0)  # index 1 succeeds at once and is not run again
+    path = write_job(tmp_path, PLANNED, env=[("SHARED", shared)], policy=RENDERED_POLICY, backoff_limit=1)
+    job = start(jobs, path, first_ip)
+    job.pod(0).wait_for("index 0 attempt 1", 20)
+    job.delete(0)  # a preemption: DisruptionTarget, ignored
+    job.wait_for_pod(0, 2).wait_for("index 0 attempt 2", 20)
+    assert job.pods(0)[1].lose_node()  # SIGKILL: 137, counted (1 of backoffLimit 1)
+    job.wait_for_pod(0, 3).wait_for("index 0 attempt 3", 20)
+    assert job.pods(0)[2].lose_node()  # the second counted failure is past the limit
+    assert job.wait(30) == ("Failed", "BackoffLimitExceeded")
+    assert sorted(job.history) == [(0, 137, "counted"), (0, 137, "counted"), (0, 143, "ignored"), (1, 0, "succeeded")]
+    assert (job.attempts(0), job.attempts(1), job.failures) == (3, 1, 2)
+
+
+def test_rendered_indexed_manifest_runs_with_its_configmap_from_the_stream(tmp_path, jobs, first_ip):
+    rendered = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "submit.py"), "r1", "--image", "img:1", "--code", "s3://bkt/c/",
+         "--data", "s3://bkt/d/", "--output", "s3://bkt/o/", "--engine", "indexed", "--nodes", "2",
+         "--gpus-per-node", "1"], capture_output=True, text=True, check=True)
+    documents = list(yaml.safe_load_all(rendered.stdout))
+    configmap = next(d for d in documents if d["kind"] == "ConfigMap")
+    job_doc = next(d for d in documents if d["kind"] == "Job")
+    assert set(configmap["data"]) >= {"script.sh", "contract.py"}
+    configmap["data"]["marker"] = "from the stream\n"  # not in job/: only the stream has it
+    pod_spec = job_doc["spec"]["template"]["spec"]
+    pod_spec["terminationGracePeriodSeconds"] = 2
+    # The rendered pod (user 1000, read-only root, the ConfigMap at /opt/job), running a check
+    # instead of script.sh.
+    pod_spec["containers"][0]["command"] = ["/bin/bash", "-c",
+                                            'test -f /opt/job/script.sh && cat /opt/job/marker '
+                                            '&& echo "id=$$(id -u) rdzv=$$RDZV_ENDPOINT nnodes=$$NNODES" '
+                                            '&& getent hosts r1-0.r1 r1-1.r1.default.svc.cluster.local']
+    path = tmp_path / "r1.yaml"
+    path.write_text(yaml.safe_dump_all(documents))
+    job = start(jobs, path, first_ip, configmaps={"script-configmap": ROOT / "job"})
+    assert job.wait(40) == ("Complete", "CompletionsReached"), job.output(0) + job.output(1)
+    prefix = first_ip.rsplit(".", 1)[0]
+    for index in (0, 1):
+        output = job.output(index)
+        assert "from the stream\nid=1000 rdzv=r1-0.r1:29400 nnodes=2\n" in output
+        assert f"{prefix}.10" in output and f"{prefix}.11" in output
