@@ -78,37 +78,44 @@ def bench_checkpoint() -> None:
 STALL_MODEL = {"model__n_layer": 6, "model__n_head": 12, "model__n_embd": 768, "model__block_size": 64,
                "model__vocab_size": 256, "model__dropout": 0.0, "train__batch_size": 1,
                "train__grad_accum_steps": 1, "train__warmup_steps": 1, "log__interval": 1, "checkpoint__keep": 2}
+# --quick: 4 layers of 384 (a ~90 MB checkpoint), 2 saves in the window: the method, not the 500 MB figure.
+STALL_MODEL_QUICK = {**STALL_MODEL, "model__n_layer": 4, "model__n_head": 6, "model__n_embd": 384}
 STALL_SHARE = 0.2  # of an interval that a synchronous save takes
 STALL_SAVES = 4  # saves inside the measured window
 
 
-def bench_checkpoint_stall() -> None:
+def bench_checkpoint_stall(quick: bool = False) -> dict:
+    """tokens/s of the runs with no checkpoint, sync and async saves, and what the model was."""
     from podlab import write_config, write_corpus
 
+    model, saves = (STALL_MODEL_QUICK, 2) if quick else (STALL_MODEL, STALL_SAVES)
     folder = Path(tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR")))
     data = write_corpus(folder / "data")
-    step_s, save_s, size = calibrate_stall(folder)
+    step_s, save_s, size = calibrate_stall(folder, model)
     every = max(2, round(save_s / STALL_SHARE * (1 - STALL_SHARE) / step_s))
-    last = every * (STALL_SAVES + 1) + 1
-    print(f"model: 6 layers of 768, checkpoint {size / 1e6:.0f} MB; a step {step_s:.2f}s, a synchronous save "
-          f"{save_s:.2f}s: a checkpoint every {every} steps, window steps {every}..{every * (STALL_SAVES + 1)} "
-          f"({STALL_SAVES} saves); load average before: {os.getloadavg()[0]:.1f}")
+    last = every * (saves + 1) + 1
+    shape = f"{model['model__n_layer']} layers of {model['model__n_embd']}"
+    print(f"model: {shape}, checkpoint {size / 1e6:.0f} MB; a step {step_s:.2f}s, a synchronous save "
+          f"{save_s:.2f}s: a checkpoint every {every} steps, window steps {every}..{every * (saves + 1)} "
+          f"({saves} saves); load average before: {os.getloadavg()[0]:.1f}")
     speeds = {}
     for name, overrides in (("none", {"checkpoint__interval": last, "eval__interval": last}),
                             ("sync", {"checkpoint__interval": every, "checkpoint__async_save": False}),
                             ("async", {"checkpoint__interval": every, "checkpoint__async_save": True})):
         overrides.setdefault("eval__interval", every * (last // every + 1))
         cfg = write_config(folder / f"{name}.yaml", train__max_steps=last, eval__steps=1,
-                           **{**STALL_MODEL, **overrides})
-        speeds[name] = window_speed(cfg, data, folder / name, every, every * (STALL_SAVES + 1))
+                           **{**model, **overrides})
+        speeds[name] = window_speed(cfg, data, folder / name, every, every * (saves + 1))
         print(f"  {name:<5} {speeds[name]:8.0f} tokens/s (load average {os.getloadavg()[0]:.1f})")
         shutil.rmtree(folder / name)
     shutil.rmtree(folder)
     print(f"checkpoint_stall: async/none = {speeds['async'] / speeds['none']:.3f}, "
           f"sync/none = {speeds['sync'] / speeds['none']:.3f}")
+    return {"speeds": speeds, "shape": shape, "size": size, "every": every, "saves": saves,
+            "step_s": step_s, "save_s": save_s}
 
 
-def calibrate_stall(folder: Path) -> tuple[float, float, int]:
+def calibrate_stall(folder: Path, model: dict = STALL_MODEL) -> tuple[float, float, int]:
     """Seconds of one training step and of one synchronous save of the stall model, and its size."""
     import torch
 
@@ -118,7 +125,7 @@ def calibrate_stall(folder: Path) -> tuple[float, float, int]:
     from model import GPT
     from podlab import write_config
 
-    cfg = config.load(write_config(folder / "calibration.yaml", **STALL_MODEL))
+    cfg = config.load(write_config(folder / "calibration.yaml", **model))
     torch.manual_seed(0)
     model = GPT(cfg.model)
     optimizer = model.make_optimizer(0.1, 6e-4, (0.9, 0.95), "cpu")
@@ -141,9 +148,10 @@ def calibrate_stall(folder: Path) -> tuple[float, float, int]:
 
 
 def window_speed(cfg: Path, data: Path, out: Path, first: int, last: int) -> float:
-    """Tokens/s of train.py between the log lines of steps `first` and `last` (wall clock, so the
-    saves in between count; the save after `last` does not)."""
+    """Tokens/s of train.py between its `step` events (or log lines) of steps `first` and `last`
+    (wall clock, so the saves in between count; the save after `last` does not)."""
     import config
+    from bench_pod import trainer_mark
 
     tokens_per_step = config.load(cfg).tokens_per_step
     command = [sys.executable, str(ROOT / "code" / "train.py"), "--config", str(cfg), "--data_dir", str(data),
@@ -154,12 +162,16 @@ def window_speed(cfg: Path, data: Path, out: Path, first: int, last: int) -> flo
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        for step in (first, last):
-            if f" step {step}/" in line:
-                seen[step] = time.monotonic()
+        mark = trainer_mark(line)
+        if mark and mark[0] == "step" and mark[1]["step"] in (first, last):
+            seen.setdefault(mark[1]["step"], time.monotonic())
     assert proc.wait() == 0 and len(seen) == 2, "".join(lines[-20:])
-    saves = [float(m.group(1)) for m in map(COMMITTED.search, lines) if m]
-    copies = [float(m.group(1)) for m in map(COPIED.search, lines) if m]
+    commits = [fields for kind, fields in filter(None, map(trainer_mark, lines)) if kind == "checkpoint"]
+    saves = [c["seconds"] for c in commits if "seconds" in c]
+    copies = [c["blocked_seconds"] for c in commits if c.get("blocked_seconds")]
+    if not saves:  # a trainer without events: its log lines
+        saves = [float(m.group(1)) for m in map(COMMITTED.search, lines) if m]
+        copies = [float(m.group(1)) for m in map(COPIED.search, lines) if m]
     waits = [float(m.group(1)) for m in map(WAITED.search, lines) if m]
     if saves:
         print(f"        saves took {sum(saves) / len(saves):.2f}s on average ({len(saves)})"
@@ -171,8 +183,6 @@ def window_speed(cfg: Path, data: Path, out: Path, first: int, last: int) -> flo
 COMMITTED = re.compile(r"committed: [\d.]+ MB in ([\d.]+)s")
 COPIED = re.compile(r"training waited ([\d.]+)s for the copy")
 WAITED = re.compile(r"waited ([\d.]+)s for checkpoint")
-
-
 
 
 def bench_restart() -> None:
@@ -208,10 +218,123 @@ def measure_restart(s3, endpoint: str) -> None:
     print(f"  plain `aws s3 cp` of the same checkpoint: {raw:.1f} s; restore/raw = {phases['restore checkpoint'] / raw:.2f}")
 
 
+PARTS = ("transfer", "stall", "pod", "growth")
+
+
+def bench_all(quick: bool, only: list[str]) -> dict[str, dict]:
+    """Every figure of bench_report.KEYS, each beside its floor measured here, now."""
+    import boto3
+
+    import bench_report
+
+    os.environ["PATH"] = venv_path()
+    figures: dict[str, dict] = {}
+    with local_s3() as endpoint, tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
+        s3 = boto3.client("s3", endpoint_url=endpoint)
+        for part in only:
+            started = time.monotonic()
+            print(f"== {part} (load average {os.getloadavg()[0]:.1f})", flush=True)
+            try:
+                figures.update(PART_RUNNERS[part](s3, endpoint, Path(tmp) / part, quick))
+            except Exception as error:  # noqa: BLE001 - one part's failure is its keys' reason, the rest still run
+                print(f"   {part} failed: {type(error).__name__}: {str(error)[-1500:]}", flush=True)
+                reason = f"{part} failed: {type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+                for key in PART_KEYS[part]:
+                    figures.setdefault(key, bench_report.unmeasured(key, reason))
+            print(f"   {part} took {time.monotonic() - started:.0f} s", flush=True)
+    return figures
+
+
+def transfer_figures(s3, endpoint: str, folder: Path, quick: bool) -> dict[str, dict]:
+    import bench_transfer
+
+    return bench_transfer.measure(s3, endpoint, folder, 100_000_000 if quick else 1_500_000_000, 3 if quick else 5)
+
+
+def stall_figures(_s3, _endpoint: str, _folder: Path, quick: bool) -> dict[str, dict]:
+    from bench_report import figure
+
+    result = bench_checkpoint_stall(quick)
+    speeds = result["speeds"]
+    how = (f"train.py ({result['shape']}, a {result['size'] / 1e6:.0f} MB checkpoint) tokens/s over steps "
+           f"{result['every']}..{result['every'] * (result['saves'] + 1)} with a checkpoint every {result['every']} "
+           f"steps ({result['saves']} saves, a sync save {result['save_s']:.2f} s = 20% of an interval) over the "
+           f"same run with none ({speeds['none']:.0f} tokens/s)")
+    return {"checkpoint_stall": figure("checkpoint_stall", speeds["async"], "async saves: " + how, speeds["none"]),
+            "checkpoint_stall_sync": figure("checkpoint_stall_sync", speeds["sync"], "sync saves: " + how,
+                                            speeds["none"])}
+
+
+def pod_figures(s3, endpoint: str, folder: Path, quick: bool) -> dict[str, dict]:
+    import bench_pod
+
+    return bench_pod.measure(s3, endpoint, folder, full=not quick)
+
+
+def growth_figures(_s3, endpoint: str, folder: Path, quick: bool) -> dict[str, dict]:
+    import statistics
+
+    import bench_growth
+    from bench_report import figure
+
+    intervals, idle = (8, 5) if quick else (30, 10)
+    got = bench_growth.measure(endpoint, folder, intervals, idle)
+    how = (f"`uploader.py watch` (SYNC_INTERVAL_SECONDS=1) through a counting proxy, {intervals} intervals of "
+           f"{bench_growth.POINTS_PER_INTERVAL} scalars and log lines")
+    return {
+        "upload_bytes_per_interval": figure(
+            "upload_bytes_per_interval", statistics.median(got["uploaded"]),
+            f"{how}: median request-body bytes put for event files and the log per interval over the bytes written "
+            f"per interval", statistics.median(got["written"]), first=got["uploaded"][0], last=got["uploaded"][-1],
+            total_uploaded=sum(got["uploaded"]), total_written=sum(got["written"])),
+        "idle_requests_per_interval": figure(
+            "idle_requests_per_interval", got["idle_requests"],
+            f"{how}, then {got['idle_intervals']} idle intervals: S3 requests per idle interval (all; floor: "
+            f"status.json's one PUT)", 1, growing_files=got["idle_growing_requests"]),
+    }
+
+
+PART_RUNNERS = {"transfer": transfer_figures, "stall": stall_figures, "pod": pod_figures, "growth": growth_figures}
+PART_KEYS = {
+    "transfer": ("restore_vs_s5cmd", "restore_vs_disk_floor", "restore_vs_get_floor", "restore_vs_s3torchconnector",
+                 "upload_vs_s5cmd", "upload_vs_s3torchconnector", "upload_lag_p95_s", "s3torchconnector"),
+    "stall": ("checkpoint_stall", "checkpoint_stall_sync"),
+    "pod": ("sigterm_to_exit_s", "pod_start_to_first_step_s", "pod_start_to_first_step_minus_bare_torchrun_s",
+            "kill_to_training_s"),
+    "growth": ("upload_bytes_per_interval", "idle_requests_per_interval"),
+}
+
+
+def run_all(args) -> int:
+    import json
+
+    import bench_report
+
+    load, started_at, started = os.getloadavg(), time.time(), time.monotonic()
+    figures = bench_all(args.quick, args.only or list(PARTS))
+    result = bench_report.report(figures, load, started_at, time.monotonic() - started, args.quick)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    for key in bench_report.KEYS:
+        entry = result[key]
+        print(f"{key:<46} {entry['value']!s:>10} {entry['unit']:<8} floor {entry['floor']!s:>10} "
+              f"ratio {entry['ratio']!s:>7} aim {entry['aim'] or '-':<13} meets {entry['meets_aim']!s:<5} "
+              f"{entry['how'] if entry['value'] is None else ''}")
+    print(f"{result['seconds']:.0f} s; load average {result['machine']['load_average_at_start'][0]} at the start, "
+          f"{result['machine']['load_average_at_end'][0]} at the end")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["checkpoint", "restart", "checkpoint_stall"])
+    parser.add_argument("what", choices=["all", "checkpoint", "restart", "checkpoint_stall"])
+    parser.add_argument("--json", help="all: write the figures here as one JSON object")
+    parser.add_argument("--quick", action="store_true",
+                        help="all: 100 MB transfers, small models, fewer repetitions (minutes, not tens of them)")
+    parser.add_argument("--only", action="append", choices=PARTS, help="all: only this part (repeatable)")
     args = parser.parse_args(argv)
+    if args.what == "all":
+        return run_all(args)
     {"checkpoint": bench_checkpoint, "restart": bench_restart, "checkpoint_stall": bench_checkpoint_stall}[args.what]()
     return 0
 

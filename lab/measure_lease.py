@@ -33,13 +33,23 @@ def kill_to_training(s3, endpoint: str, folder: Path, ttl: int) -> tuple[float, 
     run = Run(s3, endpoint, folder / f"ttl-{ttl}", name=f"ttl-{ttl}").stage()
     pod = run.start(LEASE_TTL_SECONDS=str(ttl), TRAIN_ARGS=LONG)
     pod.wait_for("uploader: step-", timeout=300)
+    return restart_after_lost_node(run, pod, ttl)
+
+
+def restart_after_lost_node(run: Run, pod, ttl: int, train_args: str = LONG,
+                            first_resumed_step=None) -> tuple[float, float]:
+    """SIGKILL a training pod's PID 1, start the next pod at once: seconds to that pod's first
+    resumed training step (`first_resumed_step(pod, timeout)` waits for it), and its lease wait."""
     killed = time.monotonic()
     pod.lose_node()
     pod.wait()
-    second = run.start(LEASE_TTL_SECONDS=str(ttl), TRAIN_ARGS=LONG)
+    second = run.start(LEASE_TTL_SECONDS=str(ttl), TRAIN_ARGS=train_args)
     try:
-        second.wait_for("train: resumed from", timeout=ttl + 300)
-        second.wait_for("train: step ", timeout=120)
+        if first_resumed_step is None:
+            second.wait_for("train: resumed from", timeout=ttl + 300)
+            second.wait_for("train: step ", timeout=120)
+        else:
+            first_resumed_step(second, ttl + 300)
         took = time.monotonic() - killed
         waited = float(WAITED.search(second.wait_for("holding the lease")).group(1))
     finally:

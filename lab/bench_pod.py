@@ -1,0 +1,167 @@
+"""What a pod's life costs, through the real job.yaml (lab/local_pod.py, local S3), in one run:
+
+pod A trains; after a few steps its PID 1 gets SIGTERM (a deleted pod): sigterm_to_exit_s is the
+time to the pod's exit, with the step it stopped at committed in S3. Pod B starts (A let go of the
+lease): pod_start_to_first_step_s is the time from its start to the first training step after it
+resumed, beside a bare `torchrun` of a script that only imports torch. Then B's PID 1 gets SIGKILL
+(a lost node: the lease stays in S3) and pod C starts at once: kill_to_training_s, SIGKILL to C's
+first resumed step (lab/measure_lease.py's measure), beside B's start as its floor.
+
+The trainer's progress is read from its EVENT lines (job/contract.py: `resumed`, `step`,
+`stopped`, `checkpoint`), or from its log lines where a trainer prints no events yet.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench_report import figure, unmeasured
+from measure_lease import restart_after_lost_node
+from podlab import ROOT, Run, contract, tool_env
+
+LONG = ("--set train.max_steps=100000 --set log.interval=1 --set checkpoint.interval=100000 "
+        "--set eval.interval=100000")
+DEFAULT_TTL = "30"  # job/script.sh's LEASE_TTL_SECONDS
+# GPT-2 124M's shape (config/conf.yaml) with a short context and one sequence a step: a CPU step in seconds.
+MODEL_124M = {"model__n_layer": 12, "model__n_head": 12, "model__n_embd": 768, "model__vocab_size": 50304,
+              "model__block_size": 64, "train__batch_size": 1, "train__grad_accum_steps": 1, "eval__steps": 1}
+PROSE_STEP = re.compile(r" train: step (\d+)/")
+PROSE_RESUMED = re.compile(r" train: resumed from \S+ \(step (\d+)\)")
+PROSE_COMMITTED = re.compile(r" train: checkpoint (step-\d+) committed")
+
+
+def trainer_mark(line: str) -> tuple[str, dict] | None:
+    """(kind, fields) for a trainer's progress line: its event, or its log line where it has none."""
+    record = contract.parse_event(line)
+    if record is not None:
+        if record.get("event") in ("step", "resumed", "stopped", "checkpoint", "done") and "step" in record:
+            return record["event"], record
+        return None
+    for kind, pattern in (("step", PROSE_STEP), ("resumed", PROSE_RESUMED)):
+        found = pattern.search(line)
+        if found:
+            return kind, {"step": int(found.group(1))}
+    found = PROSE_COMMITTED.search(line)
+    if found:
+        return "checkpoint", {"name": found.group(1), "step": int(found.group(1).split("-")[1])}
+    return None
+
+
+def wait_for_mark(pod, accept, timeout: float) -> dict:
+    """Poll the pod's lines until `accept(kind, fields, seen_before)` holds; return the fields with
+    `at` (time.monotonic() when seen). `seen_before` lists the earlier marks."""
+    deadline = time.monotonic() + timeout
+    seen: list[tuple[str, dict]] = []
+    index = 0
+    while time.monotonic() < deadline:
+        lines = pod.lines[index:]
+        index += len(lines)
+        for line in lines:
+            mark = trainer_mark(line)
+            if mark is None:
+                continue
+            if accept(mark[0], mark[1], seen):
+                return {**mark[1], "at": time.monotonic()}
+            seen.append(mark)
+        if pod.proc.poll() is not None and index == len(pod.lines):
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"the trainer never got there; output:\n{pod.output[-3000:]}")
+
+
+def first_resumed_step(pod, timeout: float) -> dict:
+    return wait_for_mark(pod, lambda kind, _, seen: kind == "step" and any(k == "resumed" for k, _ in seen), timeout)
+
+
+def stopped_step(pod) -> int | None:
+    """The step the trainer committed on its way out (its `stopped` event, else its last commit)."""
+    marks = [m for m in map(trainer_mark, pod.lines) if m]
+    for kind, fields in reversed(marks):
+        if kind in ("stopped", "checkpoint"):
+            return fields["step"]
+    return None
+
+
+def bare_torchrun(folder: Path, reps: int) -> float:
+    """Median seconds from `torchrun --standalone --nproc_per_node=1` to its worker having imported
+    torch (not to torchrun's exit: the pod's figure stops at a step, with torchrun still running)."""
+    script = folder / "import_torch.py"
+    script.write_text("import torch\nprint('imported', flush=True)\n")
+    env = {**tool_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    times = []
+    for _ in range(reps):
+        started = time.monotonic()
+        proc = subprocess.Popen(["torchrun", "--standalone", "--nproc_per_node=1", str(script)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            if line.strip() == "imported":
+                times.append(time.monotonic() - started)
+        if proc.wait() != 0 or len(times) != _ + 1:
+            raise RuntimeError("a bare torchrun of `import torch` failed")
+    return statistics.median(times)
+
+
+def measure(s3, endpoint: str, folder: Path, full: bool) -> dict[str, dict]:
+    model = MODEL_124M if full else {}
+    which = "GPT-2 124M's shape (12 layers of 768, vocab 50304, context 64)" if full else \
+        "the tests' pod model (2 layers of 64)"
+    run = Run(s3, endpoint, folder / "pod", name="bench-pod", **model).stage()
+    env = {"LEASE_TTL_SECONDS": DEFAULT_TTL, "TRAIN_ARGS": LONG}
+    figures: dict[str, dict] = {}
+    pod_a = run.start(**env)
+    try:
+        wait_for_mark(pod_a, lambda kind, fields, _: kind == "step" and fields["step"] >= 3, 900)
+    except AssertionError:
+        pod_a.delete()
+        pod_a.wait(timeout=300)
+        raise
+    signalled = time.monotonic()
+    pod_a.delete()
+    code = pod_a.wait(timeout=300)
+    took = time.monotonic() - signalled
+    step = stopped_step(pod_a)
+    in_s3 = step is not None and step in run.committed_steps()
+    figures["sigterm_to_exit_s"] = figure(
+        "sigterm_to_exit_s", took, f"SIGTERM to a training pod's PID 1 to the pod's exit ({which}), the step it "
+        f"stopped at committed in S3: {in_s3}", exit_code=code, step=step, manifest_in_s3=in_s3)
+    if not in_s3:
+        figures["sigterm_to_exit_s"]["meets_aim"] = False
+
+    started = time.monotonic()
+    pod_b = run.start(**env)
+    try:
+        first = first_resumed_step(pod_b, 600)
+        start_s = first["at"] - started
+        bare = bare_torchrun(folder, 3)
+        figures["pod_start_to_first_step_s"] = figure(
+            "pod_start_to_first_step_s", start_s, f"a pod's start (local runner) to its first training step after "
+            f"resuming step {step} ({which}); floor: a bare `torchrun` to its worker having imported torch (median of 3)", bare)
+        figures["pod_start_to_first_step_minus_bare_torchrun_s"] = figure(
+            "pod_start_to_first_step_minus_bare_torchrun_s", start_s - bare,
+            "pod_start_to_first_step_s minus the bare torchrun start: what the pod adds")
+        took, waited = restart_after_lost_node(run, pod_b, int(DEFAULT_TTL), train_args=LONG,
+                                              first_resumed_step=first_resumed_step)
+        figures["kill_to_training_s"] = figure(
+            "kill_to_training_s", took, f"SIGKILL of a training pod's PID 1 to the next pod's first resumed step "
+            f"(LEASE_TTL_SECONDS={DEFAULT_TTL}, the default; lease wait {waited:.1f} s); floor: a pod start without "
+            f"a lost lease (pod_start_to_first_step_s)", start_s, lease_wait_s=round(waited, 2))
+    finally:
+        if pod_b.proc.poll() is None:
+            pod_b.delete()
+            pod_b.wait(timeout=300)
+    return figures
+
+
+def not_run(why: str) -> dict[str, dict]:
+    keys = ("sigterm_to_exit_s", "pod_start_to_first_step_s", "pod_start_to_first_step_minus_bare_torchrun_s",
+            "kill_to_training_s")
+    return {key: unmeasured(key, why) for key in keys}
+
+
+if __name__ == "__main__":
+    sys.exit("run through lab/benchmark.py all")

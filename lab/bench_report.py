@@ -1,0 +1,117 @@
+"""The bookkeeping of `benchmark.py all`: every key it writes, its unit and aim, and how a measured
+value, the floor measured beside it in the same run, their ratio and the aim become one JSON entry.
+
+Pure: no S3, no subprocess. An aim is (field, op, bound): the field ("value" or "ratio") the bound
+is about; None where the issue states no aim (the figure is reported, not judged).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+LE, GE = "<=", ">="
+
+# key: (unit, aim)
+KEYS: dict[str, tuple[str, tuple[str, str, float] | None]] = {
+    "restore_vs_s5cmd": ("s", ("ratio", LE, 1.0)),
+    "restore_vs_disk_floor": ("s", None),
+    "restore_vs_get_floor": ("s", None),
+    "restore_vs_s3torchconnector": ("s", None),
+    "upload_vs_s5cmd": ("s", ("ratio", LE, 1.0)),
+    "upload_vs_s3torchconnector": ("s", None),
+    "upload_lag_p95_s": ("s", None),
+    "checkpoint_stall": ("tokens/s", ("ratio", GE, 0.98)),
+    "checkpoint_stall_sync": ("tokens/s", None),
+    "sigterm_to_exit_s": ("s", ("value", LE, 15.0)),
+    "pod_start_to_first_step_s": ("s", None),
+    "pod_start_to_first_step_minus_bare_torchrun_s": ("s", ("value", LE, 3.0)),
+    "kill_to_training_s": ("s", None),
+    "upload_bytes_per_interval": ("bytes", ("ratio", LE, 1.2)),
+    "idle_requests_per_interval": ("requests", ("value", LE, 1.0)),
+    "s3torchconnector": ("version", None),
+}
+
+
+def ratio(value, floor) -> float | None:
+    if value is None or floor is None or not floor:
+        return None
+    return round(value / floor, 3)
+
+
+def meets(aim: tuple[str, str, float] | None, entry: dict) -> bool | None:
+    """Whether the entry meets its aim; None with no aim or nothing measured to judge."""
+    if aim is None:
+        return None
+    field, op, bound = aim
+    measured = entry.get(field)
+    if not isinstance(measured, (int, float)) or isinstance(measured, bool):
+        return None
+    return measured <= bound if op == LE else measured >= bound
+
+
+def show_aim(aim: tuple[str, str, float] | None) -> str | None:
+    return None if aim is None else f"{aim[0]} {aim[1]} {aim[2]:g}"
+
+
+def figure(key: str, value, how: str, floor=None, **detail) -> dict:
+    """One key's entry: the value, its floor, their ratio and whether the aim is met."""
+    unit, aim = KEYS[key]
+    entry = {"value": _rounded(value), "unit": unit, "floor": _rounded(floor), "ratio": ratio(value, floor),
+             "aim": show_aim(aim), "how": how}
+    entry["meets_aim"] = meets(aim, entry)
+    if detail:
+        entry["detail"] = {k: [_rounded(x) for x in v] if isinstance(v, list) else _rounded(v) for k, v in detail.items()}
+    return entry
+
+
+def unmeasured(key: str, why: str) -> dict:
+    """A key with nothing measured: value null, and `how` says exactly why."""
+    return figure(key, None, why)
+
+
+def machine(load_at_start: tuple[float, float, float]) -> dict:
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    return {"cores": os.cpu_count(), "load_average_at_start": [round(x, 2) for x in load_at_start],
+            "load_average_at_end": [round(x, 2) for x in os.getloadavg()], "torch": torch_version,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def report(figures: dict[str, dict], load_at_start: tuple[float, float, float], started_at: float,
+           seconds: float, quick: bool) -> dict:
+    """The JSON object: every key in KEYS (a missing one says it was not run), the machine, the start."""
+    out = {key: figures.get(key) or unmeasured(key, "not run in this invocation (--only)") for key in KEYS}
+    out["machine"] = machine(load_at_start)
+    out["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started_at))
+    out["seconds"] = round(seconds, 1)
+    out["mode"] = "quick" if quick else "full"
+    return out
+
+
+def _rounded(value):
+    return round(value, 3) if isinstance(value, float) else value
+
+
+def table_rows(result: dict, command: str) -> list[str]:
+    """Markdown rows: figure | value | floor | ratio | aim | meets | command."""
+    rows = []
+    for key in KEYS:
+        entry = result[key]
+        rows.append(f"| `{key}` | {_show(entry['value'])} {entry['unit']} | {_show(entry['floor'])} | "
+                    f"{_show(entry['ratio'])} | {entry['aim'] or '-'} | {_show(entry['meets_aim'])} | "
+                    f"{entry['how']} | `{command}` |")
+    return rows
+
+
+def _show(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "**no**"
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
