@@ -193,11 +193,14 @@ class IndexedJob:
 
     env: --env values for every container; configmaps: --configmap NAME=DIR; keep_volumes: each
     pod's volumes kept in DIR/<pod name>. folder holds the pidfiles (a temporary one by default).
+    first_ip: pod i's address is first_ip + i (default FIRST_IP, 127.0.0.10; tests beside other
+    jobs pick their own in 127/8). replacement_delay: seconds before a failed index's new pod.
+    echo: copy each pod's output to stdout, prefixed [index.attempt] (the command line does).
     """
 
     def __init__(self, manifest: Path | str, env: dict[str, str] | None = None, keep_volumes: Path | str | None = None,
                  configmaps: dict[str, Path | str] | None = None, *, folder: Path | str | None = None,
-                 first_ip: str = FIRST_IP, replacement_delay: float = REPLACEMENT_DELAY_SECONDS,
+                 first_ip: str | None = None, replacement_delay: float = REPLACEMENT_DELAY_SECONDS,
                  echo: bool = False):
         self.manifest = Path(manifest).resolve()
         self.env = dict(env or {})
@@ -216,7 +219,7 @@ class IndexedJob:
         self.deadline = spec.get("activeDeadlineSeconds")
         self.grace = template_spec.get("terminationGracePeriodSeconds", 30)
         self.container = ((template_spec.get("containers") or [{}])[0]).get("name", "")
-        self.ips = pod_ips(first_ip, self.size)
+        self.ips = pod_ips(first_ip or FIRST_IP, self.size)
         namespace = (job.get("metadata") or {}).get("namespace", "default")
         self.hosts = peer_hosts(self.name, template_spec.get("subdomain"), namespace, self.ips)
         self.folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix=f"local_job-{self.name}-"))

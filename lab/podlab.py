@@ -212,6 +212,32 @@ class Run:
         pod = self.start(**env)
         return pod.wait(), pod
 
+    def render_indexed(self, nodes: int = 2, name: str = "run", flags: tuple[str, ...] = ()) -> Path:
+        """`scripts/submit.py NAME --engine indexed --nodes N` for this run's S3 URIs: the YAML stream
+        (ConfigMap script-configmap, headless Service NAME, Indexed Job NAME), written to the folder.
+        `flags` go to submit.py as they are (e.g. "--train-config", "config/tiny.yaml")."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        rendered = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "submit.py"), name, "--image", "local",
+             "--code", self.code_uri, "--data", self.data_uri, "--output", self.output_uri,
+             "--engine", "indexed", "--nodes", str(nodes), "--gpus-per-node", "1", *flags],
+            capture_output=True, text=True, check=True, env=tool_env())
+        path = self.folder / f"{name}-indexed-{nodes}.yaml"
+        path.write_text(rendered.stdout)
+        return path
+
+    def start_indexed(self, manifest: Path | None = None, nodes: int = 2, **env: str):
+        """Start an Indexed Job's pods for this run (lab/local_job.py), as start() does one pod of
+        job.yaml: the same env (self.env(**env): the local S3, credentials, TRAIN_CONFIG, timings)
+        on every pod. manifest: a stream from render_indexed() (rendered here when None)."""
+        from local_job import IndexedJob  # noqa: PLC0415 - local_job imports this module
+
+        self.pods += 1
+        job = IndexedJob(manifest or self.render_indexed(nodes), env=self.env(**env),
+                         configmaps={"script-configmap": ROOT / "job"},
+                         folder=self.folder / f"indexed-{self.pods}")
+        return job.start()
+
     # -- what S3 holds ---------------------------------------------------------------------------
 
     def keys(self) -> dict[str, str]:

@@ -8,6 +8,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 import local_job
-from podlab import ROOT
+from podlab import ROOT, Run
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="local_pod needs root for namespaces and mounts"),
@@ -84,21 +85,28 @@ def start(jobs, path, first_ip, **kwargs):
 
 SERVER = """
 import os, socket
-server = socket.create_server((os.environ["POD_IP"], 29400))
+server = socket.create_server((os.environ["POD_IP"], int(os.environ["PORT"])))
 print("listening", flush=True)
 connection, _ = server.accept()
 connection.sendall(f"hello from {socket.gethostname()}".encode())
 """
 CLIENT = """
-import socket, time
+import os, socket, time
 for _ in range(300):
     try:
-        connection = socket.create_connection(("demo-0.demo", 29400), timeout=5)
+        connection = socket.create_connection(("demo-0.demo", int(os.environ["PORT"])), timeout=5)
         break
     except OSError:
         time.sleep(0.1)
 print("received", connection.recv(100).decode(), "from", connection.getpeername()[0], flush=True)
 """
+def free_port() -> int:
+    """A port no one listens on now (a fixed one may be another test's: a torchrun binds 0.0.0.0)."""
+    with socket.socket() as probe:
+        probe.bind(("0.0.0.0", 0))
+        return probe.getsockname()[1]
+
+
 IDENTITY = """
 echo "hostname=$$(hostname) HOSTNAME=$$HOSTNAME index=$$JOB_COMPLETION_INDEX ip=$$POD_IP"
 echo "peer $$(getent hosts demo-0.demo)"
@@ -107,9 +115,9 @@ if [ "$$JOB_COMPLETION_INDEX" = 0 ]; then exec python3 -c "$$SERVER"; else exec 
 
 
 def test_pods_know_their_index_and_reach_each_other_by_name(tmp_path, jobs, first_ip):
-    path = write_job(tmp_path, IDENTITY, env=[("SERVER", SERVER), ("CLIENT", CLIENT)])
+    path = write_job(tmp_path, IDENTITY, env=[("SERVER", SERVER), ("CLIENT", CLIENT), ("PORT", str(free_port()))])
     job = start(jobs, path, first_ip)
-    assert job.wait(40) == ("Complete", "CompletionsReached"), job.history
+    assert job.wait(40) == ("Complete", "CompletionsReached"), job.output(0) + job.output(1)
     ip0 = first_ip
     ip1 = first_ip.rsplit(".", 1)[0] + ".11"
     out0, out1 = job.pod(0).output, job.pod(1).output
@@ -195,3 +203,49 @@ def test_rendered_indexed_manifest_runs_with_its_configmap_from_the_stream(tmp_p
         output = job.output(index)
         assert "from the stream\nid=1000 rdzv=r1-0.r1:29400 nnodes=2\n" in output
         assert f"{prefix}.10" in output and f"{prefix}.11" in output
+
+
+def test_run_starts_an_indexed_job_with_the_runs_env(s3, s3_endpoint, tmp_path, first_ip, jobs, monkeypatch):
+    """podlab.Run.start_indexed: the rendered stream, and every pod gets what Run.start gives one pod
+    (the local S3 and its credentials, TRAIN_CONFIG) and reaches that S3 from its own address."""
+    run = Run(s3, s3_endpoint, tmp_path / "run")
+    path = run.render_indexed(nodes=2, name="r1")
+    documents = list(yaml.safe_load_all(path.read_text()))
+    job_doc = next(d for d in documents if d["kind"] == "Job")
+    job_doc["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 2
+    job_doc["spec"]["template"]["spec"]["containers"][0]["command"] = [
+        "/bin/bash", "-c", 'aws s3api head-bucket --bucket test-bucket '
+                           '&& echo "output=$$S3_OUTPUT_URI config=$$TRAIN_CONFIG index=$$JOB_COMPLETION_INDEX"']
+    path.write_text(yaml.safe_dump_all(documents))
+    monkeypatch.setattr(local_job, "FIRST_IP", first_ip)
+    job = run.start_indexed(path)
+    jobs.append(job)
+    assert job.wait(40) == ("Complete", "CompletionsReached"), job.output(0) + job.output(1)
+    for index in (0, 1):
+        assert f"output=s3://test-bucket/runs/run/ config=config/tiny.yaml index={index}\n" in job.output(index)
+
+
+def test_active_deadline_deletes_every_pod(tmp_path, jobs, first_ip, shared):
+    path = write_job(tmp_path, PLANNED, env=[("SHARED", shared)])
+    job_doc = yaml.safe_load(path.read_text())
+    job_doc["spec"]["activeDeadlineSeconds"] = 2
+    path.write_text(yaml.safe_dump(job_doc))
+    job = start(jobs, path, first_ip)
+    assert job.wait(30) == ("Failed", "DeadlineExceeded")
+    assert sorted(job.history) == [(0, 143, "terminated"), (1, 143, "terminated")]
+
+
+def test_command_line_runs_the_job_and_refuses_a_job_that_is_not_indexed(tmp_path):
+    path = write_job(tmp_path, 'echo "index $$JOB_COMPLETION_INDEX"', pods=3)
+    result = subprocess.run([sys.executable, str(ROOT / "lab" / "local_job.py"), str(path)],
+                            capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert sorted(line.split("] ")[1] for line in result.stdout.splitlines() if "] index" in line) == \
+        ["index 0", "index 1", "index 2"]
+    job_doc = yaml.safe_load(path.read_text())
+    del job_doc["spec"]["completionMode"]
+    path.write_text(yaml.safe_dump(job_doc))
+    result = subprocess.run([sys.executable, str(ROOT / "lab" / "local_job.py"), str(path)],
+                            capture_output=True, text=True, timeout=50)
+    assert (result.returncode, result.stdout) == (64, "")
+    assert result.stderr.count("\n") == 1 and "not Indexed" in result.stderr

@@ -160,3 +160,14 @@ def test_configmap_from_the_stream_fills_the_volume(tmp_path):
     path.write_text(yaml.safe_dump(configmap) + "---\n" + path.read_text())
     pod = local_pod.load_pod(path, {}, {"script-configmap": tmp_path / "absent"}, 0)
     assert pod.volumes["job"].files == {"blob": (b"\x00\x01", 0o644), "script.sh": (b"echo from-the-stream\n", 0o644)}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--index", "2"], r"outside [0, 2)"),
+    (["--index", "0", "--pod-ip", "10.0.0.1"], "not a loopback address"),
+    (["--index", "0", "--host", "r1-0.r1=8.8.8.8"], "not a loopback address"),
+])
+def test_command_line_refuses_with_one_line(tmp_path, capfd, args, message):
+    assert local_pod.main([*args, str(write_job(tmp_path, INDEXED))]) == local_pod.EXIT_BAD_INPUT
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and message in err
