@@ -189,7 +189,7 @@ class IndexedJob:
         job.history         # [(index, exit_code, verdict)], verdict in VERDICTS
         job.failures        # failures counted against backoffLimit
         job.wait(timeout)   # -> ("Complete" | "Failed", reason), once every pod has terminated
-        job.stop()          # delete every pod and stop (cleanup)
+        job.stop(grace=10)  # cleanup: delete every pod, SIGKILL what is left after grace s
 
     env: --env values for every container; configmaps: --configmap NAME=DIR; keep_volumes: each
     pod's volumes kept in DIR/<pod name>. folder holds the pidfiles (a temporary one by default).
@@ -286,16 +286,17 @@ class IndexedJob:
             raise AssertionError(f"Job {self.name} not finished after {timeout}s; history {self.history}\n{tails}")
         return self.condition
 
-    def stop(self, grace: float | None = None) -> None:
-        """Delete every pod (SIGTERM; SIGKILL to the runner after `grace`, default the pods'
-        terminationGracePeriodSeconds) and stop the controller. Safe to call twice."""
+    def stop(self, grace: float = 10) -> None:
+        """Cleanup: delete every pod (SIGTERM) and stop the controller; a runner still there after
+        `grace` seconds is killed, and its PID 1 with it (not the pods' terminationGracePeriodSeconds,
+        300 s in job.yaml: a modelled deletion is delete(i)). Safe to call twice."""
         self._stopping.set()
         with self._lock:
             self._due.clear()
             running = [p for pods in self._pods.values() for p in pods if p.proc.poll() is None]
         for pod in running:
             pod.delete(disruption=False)
-        deadline = time.monotonic() + (self.grace if grace is None else grace) + 5
+        deadline = time.monotonic() + grace
         for pod in running:
             try:
                 pod.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -426,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         log(str(error))
         return EXIT_BAD_INPUT
     for number in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(number, lambda *_: threading.Thread(target=job.stop, daemon=True).start())
+        # Ctrl-C deletes the Job: each pod gets its terminationGracePeriodSeconds, as in a cluster.
+        signal.signal(number, lambda *_: threading.Thread(target=job.stop, args=(job.grace + 5,),
+                                                          daemon=True).start())
     while not job._finished.wait(0.5):
         pass
     if job.condition is None:
