@@ -33,6 +33,7 @@ MODEL_124M = {"model__n_layer": 12, "model__n_head": 12, "model__n_embd": 768, "
 PROSE_STEP = re.compile(r" train: step (\d+)/")
 PROSE_RESUMED = re.compile(r" train: resumed from \S+ \(step (\d+)\)")
 PROSE_COMMITTED = re.compile(r" train: checkpoint (step-\d+) committed")
+PROSE_SAVE = re.compile(r"committed: [\d.]+ MB in ([\d.]+)s")
 
 
 def trainer_mark(line: str) -> tuple[str, dict] | None:
@@ -87,6 +88,23 @@ def stopped_step(pod) -> int | None:
     return None
 
 
+def phase_seconds(pod) -> dict[str, float]:
+    """The pod's phases (job/script.sh's `phase` events) that finished, and their seconds."""
+    return {e["name"]: e["seconds"] for e in pod.events if e.get("event") == "phase" and e.get("state") == "done"}
+
+
+def last_save_seconds(pod) -> float | None:
+    """Seconds of the trainer's last commit (its `checkpoint` event, else its log line)."""
+    for line in reversed(pod.lines):
+        mark = trainer_mark(line)
+        if mark and mark[0] == "checkpoint":
+            if "seconds" in mark[1]:
+                return mark[1]["seconds"]
+            found = PROSE_SAVE.search(line)
+            return float(found.group(1)) if found else None
+    return None
+
+
 def bare_torchrun(folder: Path, reps: int) -> float:
     """Median seconds from `torchrun --standalone --nproc_per_node=1` to its worker having imported
     torch (not to torchrun's exit: the pod's figure stops at a step, with torchrun still running)."""
@@ -128,7 +146,8 @@ def measure(s3, endpoint: str, folder: Path, full: bool) -> dict[str, dict]:
     in_s3 = step is not None and step in run.committed_steps()
     figures["sigterm_to_exit_s"] = figure(
         "sigterm_to_exit_s", took, f"SIGTERM to a training pod's PID 1 to the pod's exit ({which}), the step it "
-        f"stopped at committed in S3: {in_s3}", exit_code=code, step=step, manifest_in_s3=in_s3)
+        f"stopped at committed in S3: {in_s3}", exit_code=code, step=step, manifest_in_s3=in_s3,
+        save_s=last_save_seconds(pod_a), final_upload_s=phase_seconds(pod_a).get("final upload"))
     if not in_s3:
         figures["sigterm_to_exit_s"]["meets_aim"] = False
 
@@ -140,7 +159,9 @@ def measure(s3, endpoint: str, folder: Path, full: bool) -> dict[str, dict]:
         bare = bare_torchrun(folder, 3)
         figures["pod_start_to_first_step_s"] = figure(
             "pod_start_to_first_step_s", start_s, f"a pod's start (local runner) to its first training step after "
-            f"resuming step {step} ({which}); floor: a bare `torchrun` to its worker having imported torch (median of 3)", bare)
+            f"resuming step {step} ({which}); floor: a bare `torchrun` to its worker having imported torch (median of 3)", bare,
+            ready_s=next((e["seconds"] for e in pod_b.events if e.get("event") == "ready"), None),
+            **{f"phase {name}": seconds for name, seconds in phase_seconds(pod_b).items()})
         figures["pod_start_to_first_step_minus_bare_torchrun_s"] = figure(
             "pod_start_to_first_step_minus_bare_torchrun_s", start_s - bare,
             "pod_start_to_first_step_s minus the bare torchrun start: what the pod adds")

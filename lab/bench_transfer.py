@@ -104,6 +104,12 @@ def parallel_gets(s3, prefix: str, sizes: dict[str, int]) -> float:
     return took
 
 
+def delete_prefix(s3, prefix: str) -> None:
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        for entry in page.get("Contents", []):
+            s3.delete_object(Bucket=BUCKET, Key=entry["Key"])
+
+
 def s3tc_checkpoint(endpoint: str):
     from s3torchconnector import S3Checkpoint, S3ClientConfig
 
@@ -170,6 +176,8 @@ def measure(s3, endpoint: str, folder: Path, size: int, reps: int) -> dict[str, 
                 except Exception as error:  # noqa: BLE001
                     tc_problem = f"{type(error).__name__}: {error}"
             checkpoint.prune(out / "checkpoints", 1)
+            delete_prefix(s3, f"bench/s5cmd/{final.name}/")  # moto holds every byte: keep S3 at one copy each
+            delete_prefix(s3, f"bench/s3tc/{final.name}/")
     finally:
         watcher.delete()
         watcher.wait(timeout=120)

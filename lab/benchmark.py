@@ -92,7 +92,8 @@ def bench_checkpoint_stall(quick: bool = False) -> dict:
     folder = Path(tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR")))
     data = write_corpus(folder / "data")
     step_s, save_s, size = calibrate_stall(folder, model)
-    every = max(2, round(save_s / STALL_SHARE * (1 - STALL_SHARE) / step_s))
+    # --quick: at least 4 steps an interval, so that the window is more than a handful of steps.
+    every = max(4 if quick else 2, round(save_s / STALL_SHARE * (1 - STALL_SHARE) / step_s))
     last = every * (saves + 1) + 1
     shape = f"{model['model__n_layer']} layers of {model['model__n_embd']}"
     print(f"model: {shape}, checkpoint {size / 1e6:.0f} MB; a step {step_s:.2f}s, a synchronous save "
@@ -112,7 +113,7 @@ def bench_checkpoint_stall(quick: bool = False) -> dict:
     print(f"checkpoint_stall: async/none = {speeds['async'] / speeds['none']:.3f}, "
           f"sync/none = {speeds['sync'] / speeds['none']:.3f}")
     return {"speeds": speeds, "shape": shape, "size": size, "every": every, "saves": saves,
-            "step_s": step_s, "save_s": save_s}
+            "step_s": step_s, "save_s": save_s, "share": save_s / (save_s + every * step_s)}
 
 
 def calibrate_stall(folder: Path, model: dict = STALL_MODEL) -> tuple[float, float, int]:
@@ -258,7 +259,7 @@ def stall_figures(_s3, _endpoint: str, _folder: Path, quick: bool) -> dict[str, 
     speeds = result["speeds"]
     how = (f"train.py ({result['shape']}, a {result['size'] / 1e6:.0f} MB checkpoint) tokens/s over steps "
            f"{result['every']}..{result['every'] * (result['saves'] + 1)} with a checkpoint every {result['every']} "
-           f"steps ({result['saves']} saves, a sync save {result['save_s']:.2f} s = 20% of an interval) over the "
+           f"steps ({result['saves']} saves, a sync save of {result['save_s']:.2f} s, {result['share']:.0%} of an interval) over the "
            f"same run with none ({speeds['none']:.0f} tokens/s)")
     return {"checkpoint_stall": figure("checkpoint_stall", speeds["async"], "async saves: " + how, speeds["none"]),
             "checkpoint_stall_sync": figure("checkpoint_stall_sync", speeds["sync"], "sync saves: " + how,

@@ -115,3 +115,40 @@ def test_trainer_mark_reads_events_and_falls_back_to_log_lines(line, expected):
 @pytest.mark.parametrize("values, expected", [([1.0], 1.0), ([3.0, 1.0, 2.0], 3.0), (list(range(1, 21)), 19)])
 def test_p95(values, expected):
     assert p95(values) == expected
+
+
+class Lines:
+    """What bench_pod reads of a pod: its lines (and, from them, its events)."""
+
+    def __init__(self, *lines: str):
+        self.lines = list(lines)
+
+    @property
+    def events(self):
+        import contract
+
+        return [e for e in map(contract.parse_event, self.lines) if e is not None]
+
+
+@pytest.mark.parametrize("lines, step, seconds", [
+    (("2026-11-23T00:00:00Z train: checkpoint step-00000004 committed: 1.2 MB in 0.05s",
+      "2026-11-23T00:00:00Z train: checkpoint step-00000009 committed: 1.2 MB in 2.50s"), 9, 2.5),
+    (('EVENT {"event": "checkpoint", "source": "train", "step": 9, "state": "committed", "seconds": 1.5}',
+      'EVENT {"event": "stopped", "source": "train", "signal": "SIGTERM", "step": 9}'), 9, 1.5),
+    (("2026-11-23T00:00:00Z train: step 3/100 | loss 2.0",), None, None),
+])
+def test_what_a_pod_stopped_at_and_its_last_save(lines, step, seconds):
+    from bench_pod import last_save_seconds, stopped_step
+
+    pod = Lines(*lines)
+    assert stopped_step(pod) == step
+    assert last_save_seconds(pod) == seconds
+
+
+def test_phase_seconds_are_the_finished_phases():
+    from bench_pod import phase_seconds
+
+    pod = Lines('EVENT {"event": "phase", "source": "script", "name": "restore checkpoint", "state": "start"}',
+                'EVENT {"event": "phase", "source": "script", "name": "restore checkpoint", "state": "done", '
+                '"seconds": 0.5}', "2026-11-23T00:00:00Z script: prose")
+    assert phase_seconds(pod) == {"restore checkpoint": 0.5}
