@@ -99,13 +99,27 @@ class Runtime:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         if self.ddp:
+            self.check_writer_on_node0()
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
             if self.device.type == "cuda":  # a per-step flag over NCCL would drain the GPU queue
                 self.cpu_group = dist.new_group(backend="gloo")
 
+    def check_writer_on_node0(self) -> None:
+        """Rank 0 writes the checkpoints, and in a group of pods only node 0 uploads them (job/script.sh:
+        NODE_RANK; torchrun: GROUP_RANK, this node's place in its rendezvous). Were they different
+        nodes, every checkpoint would stay on a disk nobody uploads."""
+        node, group = os.environ.get("NODE_RANK"), os.environ.get("GROUP_RANK")
+        if self.rank == 0 and node not in (None, "0") and group == "0":
+            raise ConfigError(f"global rank 0 (the checkpoint writer) runs on node {node}, not on node 0, "
+                              f"which uploads; the pods' names must sort with node 0 first "
+                              f"(<run>-0, <run>-1, ...: scripts/submit.py names them so)")
+
     def stop(self) -> None:
         if self.ddp and dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a group whose peer is gone has nothing left to tear down
+                pass
 
     def barrier(self) -> None:
         """All processes leave together: none tears down the process group while another still
@@ -168,6 +182,10 @@ def lr_at(step: int, train: config.TrainConfig) -> float:
     ratio = (step - train.warmup_steps) / max(decay_steps - train.warmup_steps, 1)
     coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
     return train.min_lr + coeff * (train.learning_rate - train.min_lr)
+
+
+class GroupMismatch(Exception):
+    """The processes of a group would resume from different checkpoints."""
 
 
 class StopSignal:
@@ -247,7 +265,7 @@ class Trainer:
         self.val_loss = None
         self.train_loss = None
         self.speed: dict = {}
-        self.start_step = 0
+        self.start_step: int | None = None  # set once loaded: steps past it were trained here
         self.started = time.monotonic()
 
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every process
@@ -273,11 +291,22 @@ class Trainer:
             box = [name]
             dist.broadcast_object_list(box, src=0)
             name = box[0]
+            self._check_every_rank_has(name)
         if name is None:
             if self.rt.master:
                 log("no committed checkpoint: starting from step 0")
             return
         self._load_from(self.ckpt_root / name)
+
+    def _check_every_rank_has(self, name: str | None) -> None:
+        """In a group of pods each node restored node 0's choice from S3; one that has another
+        (a newer step landed between two nodes' restores) must not load different weights."""
+        has = name is None or checkpoint.is_committed(self.ckpt_root / name)
+        missing = torch.tensor([0 if has else 1])
+        dist.all_reduce(missing, op=dist.ReduceOp.SUM, group=self.rt.cpu_group)
+        if missing.item():
+            raise GroupMismatch(f"{missing.item()} process(es) have no committed {name}, which rank 0 resumes "
+                                f"from; the group restarts and every node restores it again")
 
     def _drop_bad_checkpoint(self, folder: Path, problem: str) -> None:
         log(f"warning: skipping checkpoint {folder.name}: {problem}; falling back to the one before it")
@@ -485,6 +514,8 @@ class Trainer:
 
     def _stop_for(self, signum: int) -> int:
         name = signal.Signals(signum).name
+        # Recorded for torchrun's error file: a node that got no signal itself (a peer did) still exits 128+N.
+        config.record_exit(128 + signum, f"stopped after {name} (the step is committed)")
         if self.rt.master:
             log(f"{name}: step {self.step} finished; committing a checkpoint of it before exit")
         self.wait_for_saves()  # this step may be the one in flight: then it is committed now
@@ -641,13 +672,24 @@ def main(argv: list[str] | None = None) -> int:
         config.check_data(args.data_dir, cfg)
     except ConfigError as err:
         return report_bad_input(err, rt)
-    rt.start()
+    trainer = None
     try:
-        return Trainer(cfg, args, rt).run()
+        rt.start()
+        trainer = Trainer(cfg, args, rt)
+        return trainer.run()
     except ConfigError as err:
         return report_bad_input(err, rt)
     except SaveFailed as err:
         return report_failure(str(err), rt, 1)
+    except GroupMismatch as err:
+        return report_failure(str(err), rt, config.EXIT_UNAVAILABLE)
+    except Exception as err:
+        trained = trainer is not None and trainer.start_step is not None and trainer.step > trainer.start_step
+        code = config.group_failure_code(err, trained) if rt.ddp else None
+        if code is None:
+            raise
+        what = "a peer of the group went away" if trained else "the group failed before its first step"
+        return report_failure(f"{what} (rank {rt.rank}: {str(err).splitlines()[0][:200]})", rt, code)
     finally:
         rt.stop()
 

@@ -40,6 +40,13 @@ EXIT_LEASE_LOST = EXIT_UNAVAILABLE
 EXIT_COMPLETE_FOUND = 3
 """Internal, never the pod's: lease.py acquire found COMPLETE while it waited; script.sh exits 0."""
 
+EXIT_PEER_LOST = 138
+"""A group of pods (NNODES > 1) lost a member after it trained a step: every other pod exits 138
+(the trainer's peer check, code/config.py) and the Job restarts the whole group from S3. Indexed
+Job: podFailurePolicy Ignore (uncounted); PyTorchJob: ExitCode restarts it; JobSet: restarts all.
+A group that fails before its first step exits 75 instead: counted, so one that can never form
+does not restart forever."""
+
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 """After SIGINT (SIGTERM): the trainer committed its step and the final upload ran (script.sh)."""
@@ -52,7 +59,8 @@ EXIT_KILLED = 137
 
 EXIT_CODES = {
     "EXIT_DONE": EXIT_DONE, "EXIT_BAD_INPUT": EXIT_BAD_INPUT, "EXIT_UNAVAILABLE": EXIT_UNAVAILABLE,
-    "EXIT_COMPLETE_FOUND": EXIT_COMPLETE_FOUND, "EXIT_SIGINT": EXIT_SIGINT, "EXIT_SIGTERM": EXIT_SIGTERM,
+    "EXIT_COMPLETE_FOUND": EXIT_COMPLETE_FOUND, "EXIT_PEER_LOST": EXIT_PEER_LOST,
+    "EXIT_SIGINT": EXIT_SIGINT, "EXIT_SIGTERM": EXIT_SIGTERM,
 }
 
 

@@ -1,6 +1,10 @@
 """Bring back the newest committed checkpoint from S3, and only that one.
 
-    python restore.py S3_OUTPUT_URI OUTPUT_DIR
+    python restore.py S3_OUTPUT_URI OUTPUT_DIR [--step NAME]
+
+--step: that checkpoint and no other (a node of a group takes the step node 0 chose; an empty NAME:
+none, the group starts at step 0). Until it is in S3 it is waited for, up to S3_RETRY_SECONDS: node
+0 may hold it only on its disk yet, with its uploader putting it there.
 
 A step folder in S3 counts only if its manifest.json is there (the uploader writes it last). Its
 files are downloaded into a staging folder, each checked against the manifest (size and sha256),
@@ -17,6 +21,7 @@ Exit 0 (restored, or nothing to restore), 64 (bad input), 75 (S3 unreachable).
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import threading
@@ -63,6 +68,37 @@ def restore(s3, run: Location, out: Path) -> str | None:
         log("restore", f"warning: {name} in S3 is damaged ({problem}); trying the one before it")
     log("restore", f"no committed checkpoint in {remote}: the trainer starts from step 0")
     return None
+
+
+def restore_named(s3, run: Location, out: Path, name: str, wait_seconds: float) -> str | None:
+    """Exactly the checkpoint NAME, committed under OUT/checkpoints; None for an empty NAME."""
+    if not name:
+        log("restore", "node 0 starts from step 0: nothing to restore")
+        return None
+    if not checkpoint.is_file_name(name) or checkpoint.parse_step(name) is None:
+        raise s3lib.BadInput(f"--step {name!a} is not a checkpoint folder name (step-NNNNNNNN)")
+    retry = s3lib.retrying("restore", run.bucket, name="restore")
+    remote = run.child("checkpoints")
+    if checkpoint.verify(out / "checkpoints" / name) is None:
+        log("restore", f"{name} is already here and whole")
+        return name
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            manifest, _ = s3lib.get_json(s3, remote, remote.key(name, checkpoint.MANIFEST), retry)
+        except ValueError as damage:
+            manifest, problem = {}, str(damage)
+        else:
+            problem = "not committed in S3 yet" if manifest is None else checkpoint.manifest_problem(manifest)
+        if problem is None:
+            problem = download(s3, remote.child(name), manifest, out / "checkpoints" / name, retry)
+            if problem is None:
+                return name
+        if time.monotonic() >= deadline:
+            raise s3lib.Unavailable(f"node 0 chose {name}, but in {remote} it is {problem} after "
+                                    f"{wait_seconds:.0f}s (S3_RETRY_SECONDS); the group restarts")
+        log("restore", f"{name}, node 0's choice, is {problem}; asking again in 5s")
+        time.sleep(5)
 
 
 def download(s3, where: Location, manifest: dict, final: Path, retry) -> str | None:
@@ -161,12 +197,17 @@ def fetch(s3, where: Location, name: str, target: Path) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: restore.py S3_OUTPUT_URI OUTPUT_DIR", file=sys.stderr)
+    if len(argv) not in (2, 4) or (len(argv) == 4 and argv[2] != "--step"):
+        print("usage: restore.py S3_OUTPUT_URI OUTPUT_DIR [--step NAME]", file=sys.stderr)
         return contract.EXIT_BAD_INPUT
 
     def run() -> int:
-        name = restore(s3lib.client(), Location.parse(argv[0]), Path(argv[1]))
+        run_uri, out = Location.parse(argv[0]), Path(argv[1])
+        if len(argv) == 4:
+            wait = float(os.environ.get("S3_RETRY_SECONDS") or 600)
+            name = restore_named(s3lib.client(), run_uri, out, argv[3], wait)
+        else:
+            name = restore(s3lib.client(), run_uri, out)
         # The step the trainer goes on from (null: step 0); tools wait on this, not the prose.
         contract.event("restore", "restore", step=checkpoint.parse_step(name) if name else None, name=name)
         return 0

@@ -29,6 +29,13 @@
 #   LEASE_WAIT_SECONDS     3000                     how long a second pod waits for a live pod's lease (>= 0)
 #   S3_SYNC_TOOL           auto                     code and data sync: s5cmd when present, else aws
 #   CHECKPOINT_HMAC_KEY    unset                    signs and checks manifests; when set, 16 bytes or more (never printed)
+#   NNODES                 1                        pods in the group (scripts/submit.py sets it with the three below)
+#   RDZV_ENDPOINT          MASTER_ADDR:MASTER_PORT  host:port of node 0's c10d rendezvous (NNODES > 1); node 0 also
+#                                                   tells the others on port+1 which checkpoint they all resume from
+#   RDZV_TIMEOUT_SECONDS   900                      how long a node waits for the others to be there (>= 10)
+# The node rank (NNODES > 1): JOB_COMPLETION_INDEX (Indexed Job, JobSet), else PET_NODE_RANK, else
+# RANK (PyTorchJob). Node 0 alone takes the lease, uploads and writes COMPLETE; every node restores
+# the step node 0 chose. A node that loses a peer mid-run exits 138 so the whole group restarts.
 # Read as they are: AWS credentials and AWS_DEFAULT_REGION (the Secret or an IAM role), HOSTNAME
 # (the pod's name in logs and the lease), PIP_* (pip), PYTHONPATH (the runtime's folder is added).
 # Set here for the helpers: CODE_DIR, STATE_DIR, LOG_FILE, TORCHELASTIC_ERROR_FILE, PYTHONUNBUFFERED,
@@ -36,7 +43,8 @@
 # Everything printed, and the log uploaded to S3, has URL credentials hidden (redact.sed).
 #
 # Exit codes: 0 done (COMPLETE written), 64 bad input (the Job must not retry), 75 S3 or the
-# package index unreachable (a retry may pass), 143 after SIGTERM (130 SIGINT), else the trainer's.
+# package index unreachable, or the group never met (a retry may pass), 138 a peer of the group
+# was lost (the Job restarts the group, uncounted), 143 after SIGTERM (130 SIGINT), else the trainer's.
 # job/contract.py is the contract: these codes and who decides each, the files a trainer shares with
 # the runtime, and the EVENT lines (event below) that tools read instead of the prose.
 # shellcheck disable=SC2329 # most functions run indirectly: through phase, traps and run_child
@@ -48,6 +56,7 @@ readonly EXIT_DONE=0
 readonly EXIT_BAD_INPUT=64
 readonly EXIT_UNAVAILABLE=75
 readonly EXIT_COMPLETE_FOUND=3
+readonly EXIT_PEER_LOST=138
 readonly EXIT_SIGINT=130
 readonly EXIT_SIGTERM=143
 # lease.py acquire writes this file in STATE_DIR once it holds the lease (contract.LEASE_STATE):
@@ -65,6 +74,8 @@ UPLOADER_RESTARTED=0
 UPLOADER_GAVE_UP=0  # the exit code the pod ends with once the uploader died twice
 HEARTBEAT_PID=""
 TEE_PID=""
+GROUP_SERVER_PID=""
+RESTORE_STEP=""
 LEASE_HELD=0
 COMPLETE_FOUND=0
 PYTHON=python3
@@ -365,8 +376,42 @@ check_train_files() {
   fi
 }
 
+# How the pods of a group find each other; one pod (NNODES=1) needs none of it.
+check_group() {
+  NNODES=${NNODES:-1}
+  check_positive_int NNODES
+  NODE_RANK=0
+  export NNODES NODE_RANK
+  ((NNODES > 1)) || return 0
+  local source
+  for source in JOB_COMPLETION_INDEX PET_NODE_RANK RANK ""; do
+    [[ -z "${source}" || -n "${!source:-}" ]] && break
+  done
+  [[ -n "${source}" ]] ||
+    die "${EXIT_BAD_INPUT}" "NNODES=${NNODES} but no node rank in the environment (JOB_COMPLETION_INDEX, PET_NODE_RANK or RANK); run the group as an Indexed Job, JobSet or PyTorchJob (scripts/submit.py renders them)"
+  NODE_RANK=${!source}
+  if ! [[ "${NODE_RANK}" =~ ^(0|[1-9][0-9]{0,8})$ ]] || ((NODE_RANK >= NNODES)); then
+    die "${EXIT_BAD_INPUT}" "${source}=$(shown "${NODE_RANK}") is not a node rank below NNODES=${NNODES}; set NNODES to the number of pods"
+  fi
+  if [[ -z "${RDZV_ENDPOINT:-}" && -n "${MASTER_ADDR:-}" ]]; then
+    RDZV_ENDPOINT=${MASTER_ADDR}:${MASTER_PORT:-29400}  # the training operator's (PyTorchJob)
+  fi
+  if ! [[ "${RDZV_ENDPOINT:-}" =~ ^([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?):([1-9][0-9]{0,4})$ ]] ||
+    ((BASH_REMATCH[3] >= 65535)); then  # port + 1 is node 0's answer on the checkpoint
+    die "${EXIT_BAD_INPUT}" "RDZV_ENDPOINT=$(shown "${RDZV_ENDPOINT:-}") must be host:port of node 0 (e.g. run-0.run:29400) when NNODES=${NNODES}; scripts/submit.py sets it"
+  fi
+  RDZV_HOST=${BASH_REMATCH[1]}
+  GROUP_PORT=$((BASH_REMATCH[3] + 1))
+  RDZV_TIMEOUT_SECONDS=${RDZV_TIMEOUT_SECONDS:-900}
+  check_seconds RDZV_TIMEOUT_SECONDS 10 "how long a node waits for the others, which start seconds apart at best"
+  export NODE_RANK RDZV_ENDPOINT RDZV_TIMEOUT_SECONDS
+}
+
+node0() { ((NODE_RANK == 0)); }
+
 validate_settings() {
   check_s3_settings
+  check_group
   check_timings
   check_secrets
   check_train_files
@@ -541,7 +586,11 @@ take_lease() {
   run_child "${PYTHON}" "${JOB_DIR}/lease.py" acquire "${S3_OUTPUT_URI}" "${STATE_DIR}/${LEASE_STATE}" || code=$?
   case "${code}" in
     "${EXIT_DONE}") LEASE_HELD=1 ;;
-    "${EXIT_COMPLETE_FOUND}") log "another pod finished this run meanwhile: ${S3_OUTPUT_URI}COMPLETE"; exit "${EXIT_DONE}" ;;
+    "${EXIT_COMPLETE_FOUND}")
+      log "another pod finished this run meanwhile: ${S3_OUTPUT_URI}COMPLETE"
+      announce_complete
+      exit "${EXIT_DONE}"
+      ;;
     *) exit "${code}" ;;
   esac
 }
@@ -597,6 +646,71 @@ restore_checkpoint() {
   run_child "${PYTHON}" "${JOB_DIR}/restore.py" "${S3_OUTPUT_URI}" "${OUTPUT_DIR}"
 }
 
+# -- the group (NNODES > 1): node 0 chooses the checkpoint, the others take it -------------------
+
+group_state() { echo "${STATE_DIR}/group.json"; }
+
+# Node 0 answers from the start ("waiting" for the lease), so the others know it is alive.
+start_group_server() {
+  ((NNODES > 1)) || return 0
+  python3 "${JOB_DIR}/group.py" say "$(group_state)" "${S3_OUTPUT_URI}" waiting >/dev/null
+  python3 "${JOB_DIR}/group.py" serve "${GROUP_PORT}" "$(group_state)" &
+  GROUP_SERVER_PID=$!
+}
+
+stop_group_server() {
+  [[ -n "${GROUP_SERVER_PID}" ]] || return 0
+  kill -KILL "${GROUP_SERVER_PID}" 2>/dev/null || true
+  wait "${GROUP_SERVER_PID}" 2>/dev/null || true
+  GROUP_SERVER_PID=""
+}
+
+# The step every node resumes from: the newest committed here once node 0 restored.
+announce_restored() {
+  ((NNODES > 1)) || return 0
+  RESTORE_STEP=$(python3 "${JOB_DIR}/group.py" say "$(group_state)" "${S3_OUTPUT_URI}" restored "${OUTPUT_DIR}")
+  log "the group resumes from ${RESTORE_STEP:-step 0}"
+}
+
+# Another group finished the run while this one waited for the lease: tell the others first.
+announce_complete() {
+  ((NNODES > 1)) || return 0
+  python3 "${JOB_DIR}/group.py" say "$(group_state)" "${S3_OUTPUT_URI}" complete >/dev/null
+  sleep 3  # the others ask every second
+}
+
+wait_for_node0() {
+  local answer="${STATE_DIR}/group-step" code=0
+  run_child --output "${answer}" python3 "${JOB_DIR}/group.py" wait "${RDZV_HOST}:${GROUP_PORT}" \
+    "${S3_OUTPUT_URI}" "${RDZV_TIMEOUT_SECONDS}" || code=$?
+  case "${code}" in
+    0) RESTORE_STEP=$(head -n 1 "${answer}") ;;
+    "${EXIT_COMPLETE_FOUND}") log "node 0 found ${S3_OUTPUT_URI}COMPLETE: nothing to do"; exit "${EXIT_DONE}" ;;
+    *) die "${code}" "$(tail -n 1 "${answer}")" ;;
+  esac
+  log "node 0 chose ${RESTORE_STEP:-step 0}"
+}
+
+restore_chosen_step() {
+  run_child "${PYTHON}" "${JOB_DIR}/restore.py" "${S3_OUTPUT_URI}" "${OUTPUT_DIR}" --step "${RESTORE_STEP}"
+}
+
+# One id per run: pods of another run on the same endpoint never join this rendezvous.
+rdzv_id() { printf '%s' "${S3_OUTPUT_URI}" | md5sum | cut -c1-16; }
+
+# --standalone for one pod; c10d for a group. torch ranks the nodes by their names (FQDN), which
+# puts node 0 (<run>-0, <run>-node-0-0, <run>-master-0) first: global rank 0, the writer, is
+# node 0's, on the disk node 0's uploader watches. The trainer checks it.
+launch_args() {
+  if ((NNODES == 1)); then
+    echo --standalone
+    return 0
+  fi
+  printf '%s\n' --nnodes="${NNODES}" --node-rank="${NODE_RANK}" --rdzv-backend=c10d \
+    --rdzv-endpoint="${RDZV_ENDPOINT}" --rdzv-id="$(rdzv_id)" --max-restarts=0 \
+    --rdzv-conf="join_timeout=${RDZV_TIMEOUT_SECONDS},is_host=$((NODE_RANK == 0 ? 1 : 0))"
+}
+
 mark_ready() {
   touch "${READY_FILE}" "${HEALTH_FILE}"
   log "ready: $(elapsed_since "${STARTED_MS}") from start to training"
@@ -607,12 +721,13 @@ run_trainer() {
   stop_if_asked
   local error_file="${STATE_DIR}/trainer-error.json"
   rm -f "${error_file}"
-  local model_args=()
+  local model_args=() launch
   [[ -z "${MODEL_DIR}" ]] || model_args=(--model_dir "${MODEL_DIR}")
-  log "torchrun --standalone --nproc_per_node=${NPROC_PER_NODE} ${TRAIN_SCRIPT} --config ${TRAIN_CONFIG}${MODEL_DIR:+ --model_dir ${MODEL_DIR}}${TRAIN_ARGV[*]:+$(printf ' %q' "${TRAIN_ARGV[@]}")}"
+  mapfile -t launch < <(launch_args)
+  log "torchrun ${launch[*]} --nproc_per_node=${NPROC_PER_NODE} ${TRAIN_SCRIPT} --config ${TRAIN_CONFIG}${MODEL_DIR:+ --model_dir ${MODEL_DIR}}${TRAIN_ARGV[*]:+$(printf ' %q' "${TRAIN_ARGV[@]}")}"
   # PYTHONPATH: a trainer that brings no checkpoint.py of its own uses the runtime's.
   TORCHELASTIC_ERROR_FILE=${error_file} PYTHONPATH=${PYTHONPATH:+${PYTHONPATH}:}${JOB_DIR} \
-    "${PYTHON}" -m torch.distributed.run --standalone \
+    "${PYTHON}" -m torch.distributed.run "${launch[@]}" \
     --nproc_per_node="${NPROC_PER_NODE}" "${CODE_DIR}/${TRAIN_SCRIPT}" --config "${CODE_DIR}/${TRAIN_CONFIG}" \
     "${model_args[@]}" --data_dir "${DATA_DIR}" --output_dir "${OUTPUT_DIR}" "${TRAIN_ARGV[@]}" &
   TRAINER_PID=$!
@@ -633,7 +748,13 @@ run_trainer() {
   worker=${report%%$'\n'*}
   message=${report#*$'\n'}
   [[ -z "${worker}" ]] || code=${worker}
-  if ((code == EXIT_BAD_INPUT)); then
+  if ((code == EXIT_SIGTERM || code == EXIT_SIGINT)); then
+    log "a node of the group got SIG$( ((code == EXIT_SIGINT)) && echo INT || echo TERM): the group committed its step and stops"
+  elif ((code == EXIT_PEER_LOST)); then
+    log "a node of the group was lost (exit ${EXIT_PEER_LOST}): every pod stops and the group resumes from the newest checkpoint in S3"
+  elif ((code == EXIT_UNAVAILABLE)); then
+    log "error: the group did not form or could not agree (exit ${EXIT_UNAVAILABLE}): ${message}" >&2
+  elif ((code == EXIT_BAD_INPUT)); then
     # Said once by the trainer; said again here, below torchrun's report, for `kubectl logs --tail`.
     log "the trainer stopped on bad input (exit ${EXIT_BAD_INPUT}): ${message}"
   elif ((code != 0)); then
@@ -650,6 +771,7 @@ finish() {
   # lease.py may have taken the lease and been stopped before it could say so.
   [[ ! -f "${STATE_DIR:-/nonexistent}/${LEASE_STATE}" ]] || LEASE_HELD=1
   stop_heartbeat
+  stop_group_server
   [[ -z "${TRAINER_PID}" ]] || kill -s TERM "${TRAINER_PID}" 2>/dev/null || true
   if ((LEASE_HELD)); then
     start_heartbeat
@@ -686,7 +808,7 @@ main() {
   exec > >(LC_ALL=C sed -u -E -f "${JOB_DIR}/redact.sed" | tee "${LOG_FILE}") 2>&1
   TEE_PID=$!
   trap finish EXIT
-  log "pod ${HOSTNAME:-?} starting: code ${S3_CODE_URI}, data ${S3_DATA_URI}, output ${S3_OUTPUT_URI}, ${NPROC_PER_NODE} process(es), sync with ${S3_SYNC_TOOL}"
+  log "pod ${HOSTNAME:-?}$( ((NNODES > 1)) && echo " (node ${NODE_RANK} of ${NNODES})") starting: code ${S3_CODE_URI}, data ${S3_DATA_URI}, output ${S3_OUTPUT_URI}, ${NPROC_PER_NODE} process(es), sync with ${S3_SYNC_TOOL}"
   need_cmd aws "install awscli (or s5cmd) in the image"
 
   phase "check S3 access" check_access
@@ -698,9 +820,16 @@ main() {
   phase "sync data" sync_data
   [[ -z "${MODEL_DIR}" ]] || phase "sync model" sync_model
   phase "python environment" setup_python
-  phase "take the run's lease" take_lease
-  start_uploader
-  phase "restore checkpoint" restore_checkpoint
+  if node0; then
+    start_group_server
+    phase "take the run's lease" take_lease
+    start_uploader
+    phase "restore checkpoint" restore_checkpoint
+    announce_restored
+  else
+    phase "wait for node 0" wait_for_node0
+    phase "restore checkpoint" restore_chosen_step
+  fi
   mark_ready
 
   local code=0
