@@ -48,24 +48,24 @@ Engines, and what restarts the group of N pods when one of them goes:
                 them. Nor "the others exit too": the operator recreates only the pod that
                 failed; the peers' own exit 138 restarts them.
 
-The runtime contract: what job/script.sh reads in a pod of N > 1 (the multi-node side of script.sh
-is coming; today it runs torchrun --standalone):
+The runtime contract: what job/script.sh reads in a pod of N > 1 (its header says the rest):
 
     NNODES            number of pods in the group (unset: 1, a single pod as today)
     node rank         JOB_COMPLETION_INDEX (indexed, jobset: set by the Job controller), else
                       PET_NODE_RANK, else RANK (pytorchjob: set by the training operator)
-    RDZV_ENDPOINT     host:port of the c10d rendezvous, rank 0's pod:
+    RDZV_ENDPOINT     host:port of the c10d rendezvous, rank 0's pod (port + 1: node 0 tells the
+                      others which checkpoint the group resumes from):
                         indexed     <run>-0.<run>:29400
                         jobset      <run>-node-0-0.<run>:29400 (JobSet's pod hostname
                                     <jobset>-<replicatedJob>-<jobIndex>-<podIndex>, subdomain <jobset>)
                         pytorchjob  unset: use MASTER_ADDR:MASTER_PORT from the operator
     NPROC_PER_NODE    processes per pod, = --gpus-per-node (the same in every pod)
     TRAIN_CONFIG      relative to the code, as today
-    TRAIN_SCRIPT      set only with --train-script (script.sh runs train.py today; reading it is coming)
-    PEER_LOST_EXIT_CODE = 138: a pod whose group lost a member after it had formed exits 138 (not
-                      counted by the indexed Job, retried by the PyTorchJob). A rendezvous that never
-                      forms must end in 75 instead, which is counted: otherwise a group that can
-                      never meet would restart forever.
+    TRAIN_SCRIPT      set only with --train-script (default train.py)
+    PEER_LOST_EXIT_CODE = 138: a pod whose group lost a member after it had trained a step exits 138
+                      (not counted by the indexed Job, retried by the PyTorchJob). A rendezvous that
+                      never forms, or a group that fails before its first step, ends in 75 instead,
+                      which is counted: otherwise a group that can never meet would restart forever.
 
 What is validated (tests/test_submit.py), and what is not:
 
