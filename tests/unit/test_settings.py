@@ -90,8 +90,35 @@ def test_a_bad_setting_stops_the_pod_with_one_line_before_any_s3_call(pod, name,
         assert value not in "\n".join(lines)
 
 
+GROUP_BAD = [
+    ({"NNODES": "0"}, "NNODES=0 must be a positive integer"),
+    ({"NNODES": "2"}, "NNODES=2 but no node rank in the environment"),
+    ({"NNODES": "2", "JOB_COMPLETION_INDEX": "2", "RDZV_ENDPOINT": "r-0.r:29400"},
+     "JOB_COMPLETION_INDEX=2 is not a node rank below NNODES=2"),
+    ({"NNODES": "2", "RANK": "-1", "RDZV_ENDPOINT": "r-0.r:29400"}, "RANK=-1 is not a node rank below NNODES=2"),
+    ({"NNODES": "2", "JOB_COMPLETION_INDEX": "1"}, "RDZV_ENDPOINT= must be host:port of node 0"),
+    ({"NNODES": "2", "JOB_COMPLETION_INDEX": "1", "RDZV_ENDPOINT": "r-0.r"}, "RDZV_ENDPOINT=r-0.r must be host:port"),
+    ({"NNODES": "2", "JOB_COMPLETION_INDEX": "1", "RDZV_ENDPOINT": "r-0.r:65535"}, "RDZV_ENDPOINT=r-0.r:65535 must be"),
+    ({"NNODES": "2", "JOB_COMPLETION_INDEX": "1", "RDZV_ENDPOINT": "r-0.r:1;id"}, "RDZV_ENDPOINT=r-0.r:1;id must be"),
+    ({"NNODES": "2", "JOB_COMPLETION_INDEX": "0", "RDZV_ENDPOINT": "r-0.r:29400", "RDZV_TIMEOUT_SECONDS": "5"},
+     "RDZV_TIMEOUT_SECONDS=5 must be a whole number of seconds, at least 10"),
+]
+
+
+@pytest.mark.parametrize("settings,message", GROUP_BAD, ids=[",".join(f"{k}={v}" for k, v in s.items()) for s, _ in GROUP_BAD])
+def test_a_group_setting_that_cannot_work_stops_the_pod_with_one_line(pod, settings, message):
+    code, lines = pod(**settings)
+    assert code == 64, lines
+    errors = [line for line in lines if "error: " in line]
+    assert len(errors) == 1 and message in errors[0], lines
+    assert "; " in errors[0], "the line says how to fix it"
+
+
 GOOD = [
     {},  # the defaults
+    {"NNODES": "2", "JOB_COMPLETION_INDEX": "1", "RDZV_ENDPOINT": "r-0.r:29400"},  # an Indexed Job's pod
+    {"NNODES": "3", "RANK": "2", "MASTER_ADDR": "r-master-0", "MASTER_PORT": "23456"},  # a PyTorchJob's
+    {"NNODES": "1", "RANK": "5"},  # one pod: a RANK in the environment means nothing
     {"LEASE_TTL_SECONDS": "3", "LEASE_WAIT_SECONDS": "0", "HEALTH_MAX_AGE_SECONDS": "10",
      "UPLOAD_RETRY_SECONDS": "1", "AWS_MAX_ATTEMPTS": "1", "AWS_RETRY_MODE": "adaptive", "S3_LEASE": "off"},
     {"S3_LEASE": "on", "CHECKPOINT_HMAC_KEY": HMAC_KEY, "TRAIN_ARGS": "--set 'train.name=a b'\n--set log.interval=1"},
