@@ -89,8 +89,12 @@ def link_best(root: Path, source: Path, meta: dict) -> None:
         staged.commit(meta=meta, replace=True)
 
 
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir())
+
+
 def folder_mb(folder: Path) -> float:
-    return sum(p.stat().st_size for p in folder.iterdir()) / 1e6
+    return folder_bytes(folder) / 1e6
 
 
 def _test_delay() -> None:
@@ -215,12 +219,26 @@ class _Request:
     layout: list
 
 
+@dataclass
+class _InFlight:
+    """The save submitted and not yet seen committed (monotonic times)."""
+
+    final: Path
+    requested: float  # submit() was called
+    copied: float  # submit() returned
+    blocked: float  # training waited this long in submit()
+
+
 class AsyncSaver:
     """The trainer's handle on its save process (started at the first save)."""
 
     def __init__(self, device: torch.device, log: Callable[[str], None],
-                 beat: Callable[[], None] = lambda: None):
-        self.device, self.log, self.beat = device, log, beat
+                 beat: Callable[[], None] = lambda: None,
+                 on_commit: Callable[[Path, int, float, float], None] = lambda *report: None):
+        """`on_commit(final, bytes, seconds, blocked_seconds)` is called here, in the trainer, once
+        poll() or wait() sees a save committed: seconds from submit() to the commit, blocked_seconds
+        of those that submit() held training (the copy, and a wait for the save before it)."""
+        self.device, self.log, self.beat, self.on_commit = device, log, beat, on_commit
         self._process = None
         self._conn = None
         self._buffer = None
@@ -228,12 +246,13 @@ class AsyncSaver:
         self._layout: list[Layout] | None = None
         self._targets: list[torch.Tensor] = []
         self._pinned = None
-        self._in_flight: tuple[str, float] | None = None
+        self._in_flight: _InFlight | None = None
 
     def submit(self, root: Path, name: str, model_state, state: dict, meta: dict, best: bool,
                keep: int) -> None:
+        requested = time.monotonic()
         if self._in_flight:
-            waiting_for, started = self._in_flight[0], time.monotonic()
+            waiting_for, started = self._in_flight.final.name, time.monotonic()
             self.wait()
             self.log(f"waited {time.monotonic() - started:.2f}s for checkpoint {waiting_for} to commit "
                      f"before taking {name}; checkpoint.interval is shorter than a save")
@@ -251,9 +270,10 @@ class AsyncSaver:
             torch.cuda.synchronize(self.device)  # every copy has landed before the process reads it
         self._send(("save", _Request(str(root), name, skeleton["model"], skeleton["state"], meta, best,
                                      keep, self._layout)))
-        self._in_flight = (name, time.monotonic())
+        copied = time.monotonic()
+        self._in_flight = _InFlight(Path(root) / name, requested, copied, blocked=copied - requested)
         self.log(f"saving {name} in the background (pid {self._process.pid}); "
-                 f"training waited {time.monotonic() - started:.2f}s for the copy")
+                 f"training waited {copied - started:.2f}s for the copy")
 
     def poll(self) -> None:
         """Non-blocking: report a save that finished; raise SaveFailed if it failed."""
@@ -277,7 +297,8 @@ class AsyncSaver:
             self._release()
 
     def _receive(self) -> None:
-        name, submitted = self._in_flight
+        saving = self._in_flight
+        name = saving.final.name
         try:
             reply = self._conn.recv()
         except (EOFError, OSError):
@@ -289,9 +310,10 @@ class AsyncSaver:
                              f"the newest committed one") from None
         self._in_flight = None
         if reply[0] == "ok":
-            mb, seconds = reply[1:]
-            self.log(f"checkpoint {name} committed: {mb:.1f} MB in {seconds:.2f}s (in the background, "
-                     f"{time.monotonic() - submitted:.2f}s after the copy)")
+            nbytes, seconds, committed = reply[1:]  # CLOCK_MONOTONIC: one clock for both processes
+            self.log(f"checkpoint {name} committed: {nbytes / 1e6:.1f} MB in {seconds:.2f}s (in the background, "
+                     f"{committed - saving.copied:.2f}s after the copy)")
+            self.on_commit(saving.final, nbytes, committed - saving.requested, saving.blocked)
         elif reply[0] == "nospace":
             raise NoSpace(errno.ENOSPC, reply[1], name)
         else:
@@ -414,7 +436,8 @@ def _save(request: _Request, buffer) -> tuple:
         return ("error", f"{type(err).__name__}: {err}")
     except Exception as err:  # noqa: BLE001 - any failure is reported to the trainer, which stops
         return ("error", f"{type(err).__name__}: {err}")
-    return ("ok", folder_mb(final), time.monotonic() - started)
+    committed = time.monotonic()
+    return ("ok", folder_bytes(final), committed - started, committed)
 
 
 @contextlib.contextmanager

@@ -371,8 +371,9 @@ def run(settings: Settings, args: argparse.Namespace, world_size: int, texts: tu
     transformers.logging.set_verbosity_warning()
     transformers.utils.logging.disable_progress_bar()  # one line per log step is ours
     trainer = build(settings, args, world_size, texts)
-    resume = hf_resume.attach(trainer, keep=settings.checkpoint.keep,
-                              meta={"method": settings.model.method})
+    train = settings.train
+    resume = hf_resume.attach(trainer, keep=settings.checkpoint.keep, meta={"method": settings.model.method},
+                              tokens_per_step=train.batch_size * train.grad_accum_steps * settings.data.block_size)
     folder = resume.checkpoint()
     check_resumable(folder, settings)
     if int(os.environ.get("RANK", 0)) == 0:

@@ -28,6 +28,8 @@ What it does, with transformers' own callback API only:
   commit), lets ranks disagree about the step and ignores SIGINT; it is switched off here.
 - Each step touches `$HEALTH_FILE`; `OUTPUT_DIR/progress.json` (what the pod reports) and TensorBoard
   events under `OUTPUT_DIR/tensorboard` (what the pod uploads) are written on rank 0.
+- Rank 0 prints the trainer's events (job/contract.py: resumed, step, checkpoint, stopped, done), as
+  train.py does: what tools wait on, beside the lines people read.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import checkpoint
+import contract
 
 try:
     from transformers import TrainerCallback
@@ -58,6 +61,16 @@ _CHUNK = 8 << 20
 def log(message: str) -> None:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     print(f"{stamp} hf_resume: {message}", flush=True)
+
+
+def event(kind: str, **fields) -> None:
+    """One of the trainer's events (job/contract.py); the same source as train.py's: tools need not
+    know which trainer runs."""
+    contract.event(kind, contract.TRAINER_SOURCE, **fields)
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 class CheckpointLayoutError(Exception):
@@ -186,7 +199,7 @@ class CommitCallback(TrainerCallback):
     """Commits each Trainer save, stops on SIGTERM/SIGINT after saving, reports progress."""
 
     def __init__(self, output_dir: Path | str, keep: int = 3, health_file: str | None = None,
-                 dist: _Dist | None = None, meta: dict | None = None):
+                 dist: _Dist | None = None, meta: dict | None = None, tokens_per_step: int | None = None):
         self.out = Path(output_dir)
         self.root = self.out / CHECKPOINTS
         self.keep = max(int(keep), 1)
@@ -205,6 +218,10 @@ class CommitCallback(TrainerCallback):
         self.writer = None
         self.last_log = None
         self.last_beat = float("-inf")
+        self.tokens_per_step = tokens_per_step  # for tokens_per_s in the step event; None: unknown
+        self.resuming_from: str | None = None  # what Resume.checkpoint() chose
+        self.resume_started = time.monotonic()  # the load is timed from that choice to the first step
+        self.save_requested: float | None = None
 
     # signals
 
@@ -227,6 +244,8 @@ class CommitCallback(TrainerCallback):
             self.writer = SummaryWriter(log_dir=str(self.out / "tensorboard"), flush_secs=10,
                                         purge_step=self.start_step + 1 if self.start_step else None)
             self.write_progress(state)
+            event("resumed", step=state.global_step, name=self.resuming_from,
+                  seconds=round(time.monotonic() - self.resume_started, 3))
         self.last_log = (time.monotonic(), state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -244,6 +263,8 @@ class CommitCallback(TrainerCallback):
             # The runtime writes COMPLETE only once the last step is committed; transformers saves
             # it only under save_strategy "steps" (not "no", "best", or an epoch that ends later).
             control.should_save = True
+        if control.should_save:
+            self.save_requested = time.monotonic()
         return control
 
     def on_substep_end(self, args, state, control, **kwargs):
@@ -252,6 +273,11 @@ class CommitCallback(TrainerCallback):
 
     def on_prediction_step(self, args, state, control, **kwargs):
         self.beat()  # nor is a long evaluation
+        return control
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self.save_requested is not None:  # the Trainer evaluates before it saves: not the save's time
+            self.save_requested = time.monotonic()
         return control
 
     def on_save(self, args, state, control, **kwargs):
@@ -263,13 +289,20 @@ class CommitCallback(TrainerCallback):
         self.dist.barrier()
         if self.master:
             started = time.monotonic()
+            requested = self.save_requested or started
+            already = checkpoint.is_committed(final)
             final = commit_trainer_save(source, self.root, state.global_step, self.meta(state), self.beat)
             checkpoint.prune(self.root, self.keep)
-            size = sum(p.stat().st_size for p in final.iterdir()) / 1e6
-            log(f"checkpoint {final.name} committed: {size:.1f} MB in {time.monotonic() - started:.2f}s")
+            nbytes = sum(p.stat().st_size for p in final.iterdir())
+            log(f"checkpoint {final.name} committed: {nbytes / 1e6:.1f} MB in {time.monotonic() - started:.2f}s")
+            if not already:  # the Trainer saves writes synchronously: training waited for all of it
+                seconds = round(time.monotonic() - requested, 3)
+                event("checkpoint", step=state.global_step, name=final.name, state="committed", seconds=seconds,
+                      blocked_seconds=seconds, bytes=nbytes)
             self.write_progress(state)
             if self.writer:
                 self.writer.flush()
+        self.save_requested = None
         self.beat()
         return control
 
@@ -289,6 +322,10 @@ class CommitCallback(TrainerCallback):
             log(f"step {step}/{state.max_steps} | loss {self.train_loss:.4f}"
                 + (f" | lr {lr:.2e}" if isinstance(lr, (int, float)) else "")
                 + f" | {ms_per_step:.1f} ms/step")
+            known = self.tokens_per_step and ms_per_step > 0
+            tokens_per_s = self.tokens_per_step * 1000 / ms_per_step if known else None
+            event("step", step=step, max_steps=state.max_steps, loss=_finite(self.train_loss),
+                  ms_per_step=ms_per_step, tokens_per_s=tokens_per_s)
         if "eval_loss" in logs:
             self._saw_val_loss(float(logs["eval_loss"]), step)
             log(f"step {step}: val loss {self.val_loss:.4f} (best {self.best_val_loss:.4f} at step {self.best_step})")
@@ -302,6 +339,11 @@ class CommitCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.master:
+            # The step it stopped at, or the last, was committed in on_save before this.
+            if self.stopped_by:
+                event("stopped", signal=signal.Signals(self.stopped_by).name, step=state.global_step)
+            else:
+                event("done", step=state.global_step)
             self.write_progress(state)
             if self.writer:
                 self.writer.close()
@@ -364,6 +406,7 @@ class Resume:
             folder = newest_committed(self.callback.out)
             name = folder.name if folder else None
             log(f"resuming from {name}" if name else "no committed checkpoint: starting from step 0")
+            self.callback.resuming_from, self.callback.resume_started = name, time.monotonic()
         name = self.callback.dist.broadcast(name)
         if name is None:
             return None
@@ -375,10 +418,12 @@ class Resume:
         return 128 + self.callback.stopped_by if self.callback.stopped_by else 0
 
 
-def attach(trainer, keep: int | None = None, output_dir: str | None = None, meta: dict | None = None) -> Resume:
+def attach(trainer, keep: int | None = None, output_dir: str | None = None, meta: dict | None = None,
+           tokens_per_step: int | None = None) -> Resume:
     """Add the commit callback to a Trainer and take over SIGTERM/SIGINT. `keep` defaults to
     save_total_limit (else 3); checkpoints go under OUTPUT_DIR/checkpoints (the Trainer's output_dir);
-    `meta` is recorded in each manifest."""
+    `meta` is recorded in each manifest; `tokens_per_step` (all processes) gives the step events
+    their tokens_per_s."""
     args = trainer.args
     if getattr(args, "enable_jit_checkpoint", False):
         from transformers.trainer_jit_checkpoint import JITCheckpointCallback
@@ -388,7 +433,7 @@ def attach(trainer, keep: int | None = None, output_dir: str | None = None, meta
     if keep is None:
         keep = args.save_total_limit or 3
     callback = CommitCallback(output_dir or args.output_dir, keep=keep,
-                              health_file=os.environ.get("HEALTH_FILE"), meta=meta)
+                              health_file=os.environ.get("HEALTH_FILE"), meta=meta, tokens_per_step=tokens_per_step)
     callback.install_signal_handlers()
     trainer.add_callback(callback)
     return Resume(trainer, callback)

@@ -45,7 +45,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import config
-from async_save import AsyncSaver, NoSpace, SaveFailed, folder_mb, link_best, write_step
+import contract
+from async_save import AsyncSaver, NoSpace, SaveFailed, folder_bytes, folder_mb, link_best, write_step
 from config import Config, ConfigError
 from model import GPT
 
@@ -65,6 +66,18 @@ PEAK_BF16_TFLOPS = (
 def log(message: str) -> None:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     print(f"{stamp} train: {message}", flush=True)
+
+
+def event(kind: str, **fields) -> None:
+    """One of the trainer's events (job/contract.py): what tools read; log() is for people. Rank 0 only."""
+    contract.event(kind, contract.TRAINER_SOURCE, **fields)
+
+
+def report_checkpoint(final: Path, nbytes: int, seconds: float, blocked_seconds: float) -> None:
+    """The event of a committed save, sync or background: `seconds` from the request to the commit,
+    `blocked_seconds` of those that training waited."""
+    event("checkpoint", step=checkpoint.parse_step(final.name), name=final.name, state="committed",
+          seconds=round(seconds, 3), blocked_seconds=round(blocked_seconds, 3), bytes=nbytes)
 
 
 @dataclass
@@ -275,7 +288,7 @@ class Trainer:
             rt.device.type)
         torch.manual_seed(cfg.train.seed + 1 + rt.rank)  # dropout draws differ per process
         self.writer = None
-        self.saver = (AsyncSaver(rt.device, log, self.heartbeat.beat)
+        self.saver = (AsyncSaver(rt.device, log, self.heartbeat.beat, on_commit=report_checkpoint)
                       if cfg.checkpoint.async_save and rt.master else None)
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -295,6 +308,7 @@ class Trainer:
         if name is None:
             if self.rt.master:
                 log("no committed checkpoint: starting from step 0")
+                event("resumed", step=0, name=None, seconds=0.0)
             return
         self._load_from(self.ckpt_root / name)
 
@@ -339,6 +353,7 @@ class Trainer:
         self.train_loss = state.get("train_loss")
         if self.rt.master:
             log(f"resumed from {folder.name} (step {self.step}) in {time.monotonic() - started:.1f}s")
+            event("resumed", step=self.step, name=folder.name, seconds=round(time.monotonic() - started, 3))
             if self.best_step == self.step:
                 # A pod that died between committing this step and linking it as best/ left best/ behind.
                 self._link_best(folder)
@@ -408,7 +423,9 @@ class Trainer:
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise self._no_space(final.name) from None
             raise
-        log(f"checkpoint {final.name} committed: {folder_mb(final):.1f} MB in {time.monotonic() - started:.2f}s")
+        seconds = time.monotonic() - started
+        log(f"checkpoint {final.name} committed: {folder_mb(final):.1f} MB in {seconds:.2f}s")
+        report_checkpoint(final, folder_bytes(final), seconds, blocked_seconds=seconds)
 
     def _link_best(self, source: Path) -> None:
         link_best(self.ckpt_root, source, self._meta())
@@ -522,6 +539,7 @@ class Trainer:
         self.save(is_best=False)
         self.wait_for_saves()
         if self.rt.master:
+            event("stopped", signal=name, step=self.step)
             self._write_progress()
             if self.writer:
                 self.writer.flush()
@@ -534,6 +552,7 @@ class Trainer:
             minutes = (time.monotonic() - self.started) / 60
             log(f"done: step {self.step}, train loss {_show(self.train_loss)}, val loss {_show(self.val_loss)}, "
                 f"best val loss {_show(self.best_val_loss)} at step {self.best_step}, {minutes:.1f} min")
+            event("done", step=self.step)
         self.rt.barrier()
 
     # -- what a person sees ----------------------------------------------------------------------
@@ -599,6 +618,9 @@ class Meter:
             speed["mfu"] = mfu
             self.t.writer.add_scalar("mfu", mfu, step)
         log(f"{line} | eta {_duration(eta)}")
+        event("step", step=step, max_steps=self.t.cfg.train.max_steps, loss=_finite(loss_value),
+              ms_per_step=ms_per_step, tokens_per_s=tokens_per_sec,
+              **({"mfu": speed["mfu"]} if "mfu" in speed else {}))
         self.t.speed = speed
         self.t.writer.add_scalar("train/loss", loss_value, step)
         self.t.writer.add_scalar("lr", lr, step)

@@ -108,8 +108,24 @@ LOGS_PREFIX = "logs/"             # logs/attempt-NNNN-POD/NNNNNNNN.log
 #   uploaded    step, name, bytes, seconds (committed in S3)          uploader.py
 #   complete    state ("writing" | "written"), step                  uploader.py
 #   exit        code, seconds                                        script.sh, last line
+# The trainer's (source "train", whichever trainer: train.py, hf_resume.py; global rank 0 alone prints
+# them, so each comes once however many processes train):
+#   resumed     step, name, seconds   training starts at `step` from checkpoint `name` (null: from
+#               step 0, nothing loaded), loaded in `seconds`
+#   step        step, max_steps, loss, ms_per_step, tokens_per_s (mfu when the GPU's peak is known): at
+#               each log line (log.interval) and the last step; loss is the mean over processes, null
+#               when not finite; speeds are over the steps since the last such line
+#   checkpoint  step, name, state ("committed"), seconds, blocked_seconds, bytes: checkpoints/`name`
+#               is committed locally; `seconds` from the request to the commit, `blocked_seconds` how
+#               long training waited for it (sync: all of it; async: the snapshot copy, and the save
+#               before it when that was still in flight), `bytes` of the folder (manifest included);
+#               a background save's event comes a step or more after the request
+#   stopped     signal ("SIGTERM" | "SIGINT"), step: `step` is committed, the trainer exits 128+signal
+#   done        step: the last step is committed, the trainer exits 0
 EVENT_PREFIX = "EVENT "
-EVENTS = ("phase", "ready", "lease", "restore", "uploaded", "complete", "exit")
+EVENTS = ("phase", "ready", "lease", "restore", "uploaded", "complete", "exit",
+          "resumed", "step", "checkpoint", "stopped", "done")
+TRAINER_SOURCE = "train"
 
 
 def event(kind: str, source: str, /, **fields) -> None:

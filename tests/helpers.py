@@ -10,7 +10,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
+import contract
 from podlab import CODE, ROOT, TINY_CONFIG, VENV_BIN, venv_path, write_config, write_corpus  # noqa: F401
 
 def train_command(cfg: Path, data: Path, out: Path, nproc: int = 1, extra: tuple = ()) -> list[str]:
@@ -29,19 +31,32 @@ def train_env(**extra: str) -> dict:
     return env
 
 
-def run_until(command: list[str], stop_when: str | None = None, send: int = signal.SIGKILL,
+def on_event(kind: str, **fields) -> Callable[[str], bool]:
+    """A stop_when for run_until: the trainer's event (job/contract.py), not its prose."""
+    return lambda line: contract.matches(contract.parse_event(line), kind, **fields)
+
+
+def events_of(output: str, kind: str | None = None) -> list[dict]:
+    """The event lines of an output, parsed (only those of `kind` if given)."""
+    return [e for e in map(contract.parse_event, output.splitlines()) if e and kind in (None, e["event"])]
+
+
+def run_until(command: list[str], stop_when: str | Callable[[str], bool] | None = None, send: int = signal.SIGKILL,
               delay: float = 0.0, env: dict | None = None, timeout: float = 300,
               group: bool = False) -> tuple[int, str]:
-    """Run a command; if a line containing `stop_when` appears, wait `delay` s and send the signal
-    (SIGKILL, or any signal with `group`, to its whole process group, as torchrun stops its
-    workers; else to the process). Returns (exit code, output)."""
+    """Run a command; if a line containing `stop_when` appears (or one it accepts, if a function:
+    on_event), wait `delay` s and send the signal (SIGKILL, or any signal with `group`, to its whole
+    process group, as torchrun stops its workers; else to the process). Returns (exit code, output)."""
+    if isinstance(stop_when, str):
+        text = stop_when
+        stop_when = lambda line: text in line  # noqa: E731
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env or train_env(), start_new_session=True)
     lines, signalled = [], False
     deadline = time.monotonic() + timeout
     for line in proc.stdout:
         lines.append(line)
-        if stop_when and not signalled and stop_when in line:
+        if stop_when and not signalled and stop_when(line):
             time.sleep(delay)
             signalled = True
             os.killpg(proc.pid, send) if send == signal.SIGKILL or group else proc.send_signal(send)

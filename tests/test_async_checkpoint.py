@@ -16,6 +16,7 @@ import torch
 
 import checkpoint
 from helpers import final_model, run_until, sha256, train_command, train_env, write_config, write_corpus
+from podlab import wait_until
 
 MAX_STEPS = 40
 SYNC = ("--set", "checkpoint.async_save=false")
@@ -112,6 +113,9 @@ def test_sigkill_of_the_trainer_mid_save_commits_nothing_and_resume_is_bitwise_e
         match = SAVING.search(line)
         if match and match.group(1) == "step-00000020" and not saver:
             saver["pid"] = int(match.group(2))
+            # Mid-write: the save process has its staging folder (it then sleeps TRAIN_TEST_SAVE_DELAY);
+            # the line alone can come before it has read the request.
+            wait_until(lambda: list((out / "checkpoints").glob(".staging-step-00000020-*")), 30, interval=0.01)
             os.kill(proc.pid, signal.SIGKILL)
 
     code, output = run_acting_on(command, train_env(TRAIN_TEST_SAVE_DELAY="3"), kill_trainer_only)

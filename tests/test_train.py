@@ -18,8 +18,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import checkpoint
 import config
-from helpers import (CODE, final_model, run_until, sha256, train_command, train_env, write_config,
-                     write_corpus)
+from helpers import (CODE, events_of, final_model, on_event, run_until, sha256, train_command, train_env,
+                     write_config, write_corpus)
 
 MAX_STEPS = 40
 
@@ -86,16 +86,48 @@ def test_sigterm_commits_the_current_step_and_exits_143(tmp_path, corpus, tiny_c
                                                         reference_2proc):
     out = tmp_path / "out"
     command = train_command(tiny_config, corpus, out, nproc)
-    code, output = run_until(command, stop_when="step 12/", send=signal.SIGTERM)
+    code, output = run_until(command, stop_when=on_event("step", step=12), send=signal.SIGTERM)
     if nproc == 1:
         assert code == 143, output
     stopped_at = int(re.search(r"SIGTERM: step (\d+) finished", output).group(1))
     steps = [s for s, _ in checkpoint.committed_steps(out / "checkpoints")]
     assert steps[0] == stopped_at >= 12, (steps, stopped_at)  # the step it stopped at, saved
+    (stopped,) = events_of(output, "stopped")  # rank 0 alone says it, once it is committed
+    assert stopped["signal"] == "SIGTERM" and stopped["step"] == stopped_at
+    assert events_of(output, "checkpoint")[-1]["step"] == stopped_at and not events_of(output, "done")
     code, output = run_until(command)
     assert code == 0 and f"resumed from step-{steps[0]:08d}" in output
     expected = reference if nproc == 1 else reference_2proc
     assert sha256(final_model(out, MAX_STEPS)) == sha256(final_model(expected, MAX_STEPS))
+
+
+def test_a_two_process_run_and_its_resume_print_each_event_once(tmp_path, corpus, tiny_config):
+    """What tools wait on (job/contract.py), printed by rank 0 alone: the first start saves in the
+    background (checkpoint.async_save's default), the resume synchronously. ~12 s on 2 cores."""
+    out = tmp_path / "out"
+    for max_steps, async_save, start, saved in ((6, "true", 0, [5, 6]), (10, "false", 6, [10])):
+        code, output = run_until(train_command(tiny_config, corpus, out, nproc=2, extra=(
+            "--set", f"train.max_steps={max_steps}", "--set", f"checkpoint.async_save={async_save}")))
+        assert code == 0, output
+        events = events_of(output)
+        assert all(e["source"] == "train" for e in events)
+        assert [e["event"] for e in events][0] == "resumed" and [e["event"] for e in events][-1] == "done"
+        (resumed,) = events_of(output, "resumed")
+        assert resumed["step"] == start and resumed["seconds"] >= 0
+        assert resumed["name"] == (checkpoint.step_dir_name(start) if start else None)
+        steps = events_of(output, "step")
+        assert [e["step"] for e in steps] == list(range(start + 1, max_steps + 1))
+        assert all(e["max_steps"] == max_steps and e["loss"] > 0 and e["tokens_per_s"] > 0 for e in steps)
+        saves = events_of(output, "checkpoint")
+        assert [e["step"] for e in saves] == saved
+        for save in saves:
+            assert save["name"] == checkpoint.step_dir_name(save["step"]) and save["state"] == "committed"
+            assert save["bytes"] == sum(p.stat().st_size for p in (out / "checkpoints" / save["name"]).iterdir())
+            assert 0 <= save["blocked_seconds"] <= save["seconds"]
+            if async_save == "false":
+                assert save["blocked_seconds"] == save["seconds"], "a synchronous save blocks throughout"
+        (done,) = events_of(output, "done")
+        assert done["step"] == max_steps
 
 
 def test_resume_skips_checkpoint_without_manifest(tmp_path, corpus, tiny_config, reference):
