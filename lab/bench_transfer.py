@@ -184,10 +184,12 @@ def measure(s3, endpoint: str, folder: Path, size: int, reps: int) -> dict[str, 
     name = checkpoint.step_dir_name(reps)
     sizes = {n: e["size"] for n, e in checkpoint.read_manifest(out / "checkpoints" / name)["files"].items()}
     prefix = f"bench/transfer/checkpoints/{name}/"
-    restore, s5_down, disk, gets, tc_down = [], [], [], [], []
+    restore, s5_down, disk, gets, tc_down, starts = [], [], [], [], [], []
     for rep in range(reps):
         target = folder / f"restored-{rep}"
         restore.append(timed([sys.executable, str(ROOT / "job" / "restore.py"), uri, str(target)], env))
+        # What the restore's process pays before it moves a byte: Python, boto3 and its own modules.
+        starts.append(timed([sys.executable, "-c", "import restore"], {**env, "PYTHONPATH": str(ROOT / "job")}))
         assert checkpoint.verify(target / "checkpoints" / name) is None, "restore brought back a damaged checkpoint"
         shutil.rmtree(target)
         s5_down.append(timed([str(VENV_BIN / "s5cmd"), "cp", f"s3://{BUCKET}/{prefix}*", f"{folder / 's5'}/"], env))
@@ -205,7 +207,8 @@ def measure(s3, endpoint: str, folder: Path, size: int, reps: int) -> dict[str, 
     figures = {
         "restore_vs_s5cmd": figure("restore_vs_s5cmd", median(restore),
                                    f"`python job/restore.py` of a {mb} committed checkpoint (2 files, verified) over "
-                                   f"`s5cmd cp` of the same objects, {each}", median(s5_down), runs=restore),
+                                   f"`s5cmd cp` of the same objects, {each}", median(s5_down), runs=restore,
+                                   python_start_s=median(starts)),
         "restore_vs_disk_floor": figure("restore_vs_disk_floor", median(restore),
                                         f"the restore over a plain write+fsync of the same {mb} to the same disk, "
                                         f"{each}", median(disk), floors=disk),

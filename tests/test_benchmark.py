@@ -1,0 +1,36 @@
+"""`lab/benchmark.py all --quick --json F` writes every key, and the parts it ran measured each one (or
+said exactly why not). The whole --quick run takes ~4 minutes on 2 loaded cores: this runs its two
+short parts (transfers and upload growth, ~45 s); the stall and pod parts are left to the benchmark.
+No figure is judged here: the machine is shared; the figures are the benchmark's, not the test's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench_report import KEYS
+from benchmark import PART_KEYS
+from podlab import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")]
+
+
+def test_all_quick_writes_every_key_and_measures_the_parts_it_ran(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, str(ROOT / "lab" / "benchmark.py"), "all", "--quick", "--json", str(out),
+                             "--only", "transfer", "--only", "growth"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(KEYS) <= set(figures) and {"machine", "started_at"} <= set(figures)
+    ran = PART_KEYS["transfer"] + PART_KEYS["growth"]
+    unmeasured = {key: figures[key]["how"] for key in ran if figures[key]["value"] is None}
+    assert not unmeasured, unmeasured
+    for key in ran:
+        entry = figures[key]
+        if entry["floor"] is not None:
+            assert entry["ratio"] == pytest.approx(entry["value"] / entry["floor"], rel=0.01), key
+    assert all("not run" in figures[key]["how"] for key in set(KEYS) - set(ran))
