@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import calendar
 import os
 import re
 import secrets
@@ -23,11 +22,6 @@ import restore as restorelib
 import s3 as s3lib
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")
-STEP_TIME = re.compile(r"^(\S+Z) train: step (\d+)/")
-
-
-def _epoch(stamp: str) -> float:
-    return calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
 
 
 def through(run: Run, proxy: FaultProxy) -> Run:
@@ -36,18 +30,21 @@ def through(run: Run, proxy: FaultProxy) -> Run:
     return run
 
 
+OUTAGE_SECONDS = 40  # the two-minute outage is lab/measure_lease.py outage's: a test need not wait that long
+
+
 @pytest.mark.slow
-def test_ten_percent_faults_and_a_two_minute_outage_lose_nothing(run, s3_endpoint):
+def test_ten_percent_faults_and_an_outage_lose_nothing(run, s3_endpoint):
     with FaultProxy(upstream=s3_endpoint, error_rate=0.05, reset_rate=0.03, slow_rate=0.02,
                     slow_seconds=0.5, seed=7) as proxy:
         pod = through(run, proxy).start(TRAIN_ARGS="--set train.max_steps=400 --set log.interval=20",
                                         S3_RETRY_SECONDS="600")
         pod.wait_for("uploader: step-", timeout=180)
-        proxy.configure(outage=True, outage_seconds=120)
+        proxy.configure(outage=True, outage_seconds=OUTAGE_SECONDS)
         outage_started, outage_wall = time.monotonic(), time.time()
         code = pod.wait(timeout=600)
         outage_requests = [r for r in proxy.stats()["recent"]
-                           if outage_started <= r[0] <= outage_started + 120 and r[3] == "outage"]
+                           if outage_started <= r[0] <= outage_started + OUTAGE_SECONDS and r[3] == "outage"]
         injected = proxy.stats()["by_outcome"]
     assert code == 0, pod.output[-4000:]
     assert run.json("COMPLETE")["steps"] == 400
@@ -56,13 +53,13 @@ def test_ten_percent_faults_and_a_two_minute_outage_lose_nothing(run, s3_endpoin
     assert run.committed_steps()[0] == 400 and run.verify_in_s3("best") is None
     assert injected.get("error", 0) + injected.get("reset", 0) >= 5, injected
     assert "training goes on" in pod.output, "the uploader saw the outage and kept going"
-    trained_during_outage = [m for m in map(STEP_TIME.match, pod.lines) if m and
-                             outage_wall <= _epoch(m.group(1)) + 1 and _epoch(m.group(1)) < outage_wall + 120]
+    trained_during_outage = [e for e in pod.events if e["event"] == "step" and e["source"] == "train"
+                             and outage_wall <= e["time"] < outage_wall + OUTAGE_SECONDS]
     assert len(trained_during_outage) >= 3, "training carries on while S3 is down"
     # Backoff, not a hot loop: the uploader, lease keeper and final upload together ask S3 a
     # few times a minute during the outage.
-    assert len(outage_requests) < 240, f"{len(outage_requests)} requests in a 120 s outage"
-    print(f"\n10% faults ({injected}) and a 120 s outage: {len(outage_requests)} requests "
+    assert len(outage_requests) < 2 * OUTAGE_SECONDS, f"{len(outage_requests)} requests in a {OUTAGE_SECONDS} s outage"
+    print(f"\n10% faults ({injected}) and a {OUTAGE_SECONDS} s outage: {len(outage_requests)} requests "
           f"during the outage; COMPLETE written")
 
 
