@@ -42,8 +42,11 @@ Needs root, as local_pod.py does. Python API: IndexedJob (see its docstring).
 from __future__ import annotations
 
 import argparse
+import copy
+import hashlib
 import ipaddress
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -51,6 +54,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 import local_pod
 import podlab
@@ -408,6 +413,670 @@ def peer_hosts(job_name: str, subdomain: str | None, namespace: str, ips: list[s
     return hosts
 
 
+# ---------------------------------------------------------------- the JobSet controller's rules
+#
+# Read from kubernetes-sigs/jobset v0.10.1: pkg/controllers/failure_policy.go (rules in order, the
+# first applicable one wins; no rule: RestartJobSet; no failurePolicy: the JobSet fails),
+# jobset_controller.go (constructJob, labelAndAnnotateObject), pkg/constants/constants.go.
+# The child Job's failure message: kubernetes pkg/controller/job/pod_failure_policy.go and
+# job_controller.go.
+
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+JOBSET_ACTIONS = ("FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts")
+JOBSET_KEY = "jobset.sigs.k8s.io/"
+RESTART_ATTEMPT = JOBSET_KEY + "restart-attempt"
+BACKOFF_LIMIT_MESSAGE = "Job has reached the specified backoff limit"
+DEADLINE_MESSAGE = "Job was active longer than specified deadline"
+
+
+def matching_rule(rules: list[dict], failure: PodFailure) -> tuple[int, dict] | None:
+    """The first podFailurePolicy rule the failed pod matches, with its index."""
+    return next(((number, rule) for number, rule in enumerate(rules) if rule_matches(rule, failure)), None)
+
+
+def job_failure(rules: list[dict], failure: PodFailure, pod: str, failures: int,
+                backoff_limit: int) -> tuple[str, str] | None:
+    """The Job's Failed condition (reason, message) that this pod's failure causes, worded as the
+    Job controller words it; None when the Job goes on. `pod` is namespace/name."""
+    verdict, reason = decide(rules, failure, failures, backoff_limit)
+    if reason == "PodFailurePolicy":
+        number, rule = matching_rule(rules, failure)
+        if "onExitCodes" in rule:
+            return reason, (f"Container {failure.container} for pod {pod} failed with exit code "
+                            f"{failure.exit_code} matching FailJob rule at index {number}")
+        condition = next(p["type"] for p in rule["onPodConditions"] if p.get("type") in failure.conditions)
+        return reason, f"Pod {pod} has condition {condition} matching FailJob rule at index {number}"
+    if reason == "BackoffLimitExceeded":
+        return reason, BACKOFF_LIMIT_MESSAGE
+    return None
+
+
+def jobset_rule_applies(rule: dict, reason: str, message: str, replicated_job: str) -> bool:
+    """onJobFailureReasons, onJobFailureMessagePatterns (Go regexp.MatchString: a match anywhere)
+    and targetReplicatedJobs; an empty or absent list matches anything."""
+    reasons, patterns = rule.get("onJobFailureReasons") or [], rule.get("onJobFailureMessagePatterns") or []
+    targets = rule.get("targetReplicatedJobs") or []
+    return ((not reasons or reason in reasons) and (not patterns or any(re.search(p, message) for p in patterns))
+            and (not targets or replicated_job in targets))
+
+
+def jobset_decision(policy: dict | None, reason: str, message: str, replicated_job: str,
+                    counted_restarts: int) -> tuple[str, str]:
+    """What the JobSet controller does when a child Job failed with (reason, message), given the
+    restarts counted towards maxRestarts so far:
+        ("restart", "counted")       RestartJobSet (the default when no rule applies)
+        ("restart", "not counted")   RestartJobSetAndIgnoreMaxRestarts
+        ("Failed", JobSet reason)    FailJobSet, maxRestarts reached, or no failurePolicy"""
+    if policy is None:
+        return "Failed", "FailedJobs"
+    rule = next((r for r in policy.get("rules") or [] if jobset_rule_applies(r, reason, message, replicated_job)), None)
+    action = rule["action"] if rule else "RestartJobSet"
+    if action == "FailJobSet":
+        return "Failed", "FailJobSetFailurePolicyAction"
+    if action == "RestartJobSetAndIgnoreMaxRestarts":
+        return "restart", "not counted"
+    if counted_restarts >= policy.get("maxRestarts", 0):
+        return "Failed", "ReachedMaxRestarts"
+    return "restart", "counted"
+
+
+def jobset_child(jobset: dict, restarts: int) -> dict:
+    """The child Job the JobSet controller makes of its one replicatedJob (job index 0): named
+    <jobset>-<replicatedJob>-0, the JobSet's labels and annotations on the Job and its pod
+    template, subdomain the JobSet's name (network.subdomain) when enableDNSHostnames is set."""
+    name, spec = jobset["metadata"]["name"], jobset.get("spec") or {}
+    replicated = spec["replicatedJobs"][0]
+    child_name = f"{name}-{replicated['name']}-0"
+    namespace = jobset["metadata"].get("namespace", "default")
+    uid = f"local-{name}"
+    marks = {"jobset-name": name, "jobset-uid": uid, "replicatedjob-name": replicated["name"],
+             "restart-attempt": str(restarts), "replicatedjob-replicas": str(replicated.get("replicas", 1)),
+             "global-replicas": str(replicated.get("replicas", 1)), "job-index": "0",
+             "job-global-index": "0", "job-key": hashlib.sha256(f"{namespace}/{child_name}".encode()).hexdigest()}
+    marks = {JOBSET_KEY + key: value for key, value in marks.items()}
+    template = copy.deepcopy(replicated.get("template") or {})
+    job_spec = template.get("spec") or {}
+    pod_template = job_spec.setdefault("template", {})
+    for meta in (template.setdefault("metadata", {}), pod_template.setdefault("metadata", {})):
+        meta["labels"] = {**(meta.get("labels") or {}), **marks}
+        meta["annotations"] = {**(meta.get("annotations") or {}), **marks}
+    network = spec.get("network") or {}
+    if network.get("enableDNSHostnames"):
+        pod_template.setdefault("spec", {})["subdomain"] = network.get("subdomain") or name
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {**template["metadata"], "name": child_name, "namespace": namespace},
+            "spec": job_spec}
+
+
+def check_jobset(jobset: dict) -> None:
+    spec = jobset.get("spec") or {}
+    if not (jobset.get("metadata") or {}).get("name"):
+        raise BadInput("the JobSet has no metadata.name; give it one")
+    replicated = spec.get("replicatedJobs") or []
+    if len(replicated) != 1 or replicated[0].get("replicas", 1) != 1:
+        raise BadInput("local_job.py runs a JobSet of one replicatedJob with replicas 1 (what submit.py "
+                       "--engine jobset renders); more child Jobs are not modelled")
+    if spec.get("successPolicy") not in (None, {"operator": "All"}) or spec.get("startupPolicy"):
+        raise BadInput("successPolicy other than operator All, and startupPolicy, are not modelled; drop them")
+    for number, rule in enumerate((spec.get("failurePolicy") or {}).get("rules") or []):
+        if rule.get("action") not in JOBSET_ACTIONS:
+            raise BadInput(f"failurePolicy rule {number}: action {rule.get('action')!r} is not one of "
+                           f"{', '.join(JOBSET_ACTIONS)}; fix the rule")
+        for pattern in rule.get("onJobFailureMessagePatterns") or []:
+            try:
+                re.compile(pattern)
+            except re.error:
+                raise BadInput(f"failurePolicy rule {number}: {pattern!r} is not a regular expression") from None
+
+
+def load_documents(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise BadInput(f"{path}: no such file; pass the manifest's path")
+    try:
+        return [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
+    except yaml.YAMLError as error:
+        raise BadInput(f"{path}: not valid YAML ({' '.join(str(error).split())}); fix the file")
+
+
+def one_of_kind(documents: list[dict], api: str, kind: str, path: Path) -> dict:
+    found = [d for d in documents if (d.get("apiVersion"), d.get("kind")) == (api, kind)]
+    if len(found) != 1:
+        kinds = ", ".join(f"{d.get('apiVersion')}/{d.get('kind')}" for d in documents) or "nothing"
+        raise BadInput(f"{path}: expected one {api} {kind}, found {kinds}")
+    return found[0]
+
+
+def configmaps_of(documents: list[dict]) -> list[dict]:
+    return [d for d in documents if (d.get("apiVersion"), d.get("kind")) == ("v1", "ConfigMap")]
+
+
+def write_stream(path: Path, documents: list[dict]) -> Path:
+    path.write_text(yaml.safe_dump_all(documents, sort_keys=False))
+    return path
+
+
+def runner_pod_name(pod: podlab.Pod) -> str:
+    """The pod name local_pod.py gave it (its "pod NAME: starting" line), else "?"."""
+    match = next((m for m in map(POD_STARTING.search, list(pod.lines)) if m), None)
+    return match.group(1) if match else "?"
+
+
+POD_STARTING = re.compile(r"^local_pod: pod (\S+): starting")
+
+
+class JobSetRun:
+    """A JobSet (jobset.x-k8s.io/v1alpha2) run locally: its one child Job is an IndexedJob (the
+    Job controller's rules above), and the JobSet controller's failurePolicy on top.
+
+        jobset = JobSetRun(manifest, env=..., configmaps=..., first_ip=...)   # as IndexedJob
+        jobset.start()
+        jobset.pod(i), pods(i), attempts(i), output(i), delete(i), wait_for_pod(i, attempt)
+                            # index i across every restart: pods(i)[k] is restart-attempt k's
+        jobset.restarts     # status.restarts: the restart-attempt of the running child Job
+        jobset.counted_restarts  # status.restartsCountTowardsMax
+        jobset.history      # [(index, exit_code, verdict)] of every child Job, in order
+        jobset.failures     # [(restart_attempt, job reason, job message, decision)]
+        jobset.wait(timeout)  # ("Completed", "AllJobsCompleted") | ("Failed", reason)
+        jobset.stop(grace)
+
+    A child Job's failure (reason and message as the Job controller sets them, once every pod of it
+    has terminated, as Kubernetes >= 1.31 does) goes through failurePolicy.rules: FailJobSet fails
+    the JobSet; RestartJobSet (also when no rule applies) and RestartJobSetAndIgnoreMaxRestarts
+    recreate the child Job with restart-attempt + 1 (its pods were already deleted by the Job
+    controller when it failed: SIGTERM, their grace period), the first counted against
+    maxRestarts: a restart past it fails the JobSet (ReachedMaxRestarts)."""
+
+    def __init__(self, manifest: Path | str, env: dict[str, str] | None = None, keep_volumes: Path | str | None = None,
+                 configmaps: dict[str, Path | str] | None = None, *, folder: Path | str | None = None,
+                 first_ip: str | None = None, replacement_delay: float = REPLACEMENT_DELAY_SECONDS,
+                 echo: bool = False):
+        self.manifest = Path(manifest).resolve()
+        documents = load_documents(self.manifest)
+        self.jobset = one_of_kind(documents, JOBSET_API, "JobSet", self.manifest)
+        check_jobset(self.jobset)
+        self.configmap_documents = configmaps_of(documents)
+        self.name = self.jobset["metadata"]["name"]
+        self.replicated_job = self.jobset["spec"]["replicatedJobs"][0]["name"]
+        self.policy = self.jobset["spec"].get("failurePolicy")
+        self.child_args = dict(env=env, keep_volumes=keep_volumes, configmaps=configmaps, first_ip=first_ip,
+                               replacement_delay=replacement_delay, echo=echo)
+        self.folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix=f"local_jobset-{self.name}-"))
+        self.restart_delay = replacement_delay
+        self.restarts = self.counted_restarts = 0
+        self.failures: list[tuple[int, str, str, str]] = []
+        self.condition: tuple[str, str] | None = None
+        self.children: list[IndexedJob] = [self._child(0)]  # checks the child Job now: bad input raises here
+        self.size, self.grace = self.children[0].size, self.children[0].grace
+        self._lock = threading.RLock()
+        self._finished = threading.Event()
+        self._stopping = threading.Event()
+        self._controller: threading.Thread | None = None
+
+    def _child(self, restarts: int) -> IndexedJob:
+        child = jobset_child(self.jobset, restarts)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = write_stream(self.folder / f"{child['metadata']['name']}-attempt{restarts}.yaml",
+                            [*self.configmap_documents, child])
+        return IndexedJob(path, folder=self.folder / f"attempt{restarts}", **self.child_args)
+
+    # ------------------------------------------------------------ the API
+
+    def start(self) -> "JobSetRun":
+        self.children[0].start()
+        self._controller = threading.Thread(target=self._control, daemon=True)
+        self._controller.start()
+        return self
+
+    @property
+    def child(self) -> IndexedJob:
+        with self._lock:
+            return self.children[-1]
+
+    def pods(self, index: int) -> list[JobPod]:
+        with self._lock:
+            children = list(self.children)
+        return [pod for child in children for pod in child.pods(index)]
+
+    def pod(self, index: int) -> JobPod:
+        return self.pods(index)[-1]
+
+    def attempts(self, index: int) -> int:
+        return len(self.pods(index))
+
+    def output(self, index: int) -> str:
+        return "".join(pod.output for pod in self.pods(index))
+
+    @property
+    def history(self) -> list[tuple[int, int, str]]:
+        with self._lock:
+            return [entry for child in self.children for entry in child.history]
+
+    def wait_for_pod(self, index: int, attempt: int, timeout: float = 60) -> JobPod:
+        if not wait_until(lambda: self.attempts(index) >= attempt or self._finished.is_set(), timeout) \
+                or self.attempts(index) < attempt:
+            raise AssertionError(f"index {index} has had {self.attempts(index)} pods, not {attempt}; "
+                                 f"failures {self.failures}; condition {self.condition}")
+        return self.pods(index)[attempt - 1]
+
+    def delete(self, index: int) -> None:
+        """Preempt index's current pod: DisruptionTarget, then SIGTERM (SIGKILL after its grace)."""
+        self.pod(index).delete(disruption=True)
+
+    def wait(self, timeout: float = 300) -> tuple[str, str]:
+        """The JobSet's terminal condition, once it has one and no pod of it runs."""
+        if not self._finished.wait(timeout) or self.condition is None:
+            tails = "\n".join(f"--- index {i}, pod {self.attempts(i)}:\n{self.pod(i).output[-2000:]}"
+                              for i in range(self.size) if self.attempts(i))
+            raise AssertionError(f"JobSet {self.name} not finished after {timeout}s; failures {self.failures}; "
+                                 f"history {self.history}\n{tails}")
+        return self.condition
+
+    def stop(self, grace: float = 10) -> None:
+        self._stopping.set()
+        if self._controller:
+            self._controller.join(timeout=10)
+        self.child.stop(grace)
+        self._finished.set()
+
+    # ------------------------------------------------------------ the controller
+
+    def _control(self) -> None:
+        while not self._stopping.is_set():
+            child = self.child
+            if not child._finished.wait(0.1):
+                continue
+            if child.condition is None:  # stopped
+                return
+            if child.condition[0] == "Complete":
+                self._end("Completed", "AllJobsCompleted")
+                return
+            reason, message = child_failure(child)
+            decision, detail = jobset_decision(self.policy, reason, message, self.replicated_job,
+                                               self.counted_restarts)
+            self.failures.append((self.restarts, reason, message, f"{decision} ({detail})"))
+            log(f"JobSet {self.name}: child Job {child.name} failed ({reason}: {message}): {decision} ({detail})")
+            if decision == "Failed":
+                self._end("Failed", detail)
+                return
+            time.sleep(self.restart_delay)  # the old Job is deleted (foreground), then the new one made
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self.restarts += 1
+                self.counted_restarts += detail == "counted"
+                self.children.append(self._child(self.restarts))
+                self.children[-1].start()
+
+    def _end(self, condition: str, reason: str) -> None:
+        self.condition = (condition, reason)
+        log(f"JobSet {self.name} {condition}: {reason}")
+        self._finished.set()
+
+
+def child_failure(child: IndexedJob) -> tuple[str, str]:
+    """The failed child Job's (reason, message): the pod whose failure failed it, replayed."""
+    if child.condition and child.condition[1] == "DeadlineExceeded":
+        return "DeadlineExceeded", DEADLINE_MESSAGE
+    seen: dict[int, int] = {}
+    failures = 0
+    namespace = "default"
+    for index, code, verdict in child.history:
+        pod = child.pods(index)[seen.get(index, 0)]
+        seen[index] = seen.get(index, 0) + 1
+        if verdict not in ("counted", "failjob"):
+            continue
+        failure = PodFailure(child.container, code, frozenset(pod.conditions))
+        found = job_failure(child.rules, failure, f"{namespace}/{runner_pod_name(pod)}", failures, child.backoff_limit)
+        failures += verdict == "counted"
+        if found:
+            return found
+    return child.condition[1] if child.condition else "Unknown", ""
+
+
+def wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+# ---------------------------------------------------------------- the training operator's rules
+#
+# Read from kubeflow/training-operator v1.9.0: pkg/controller.v1/pytorch/envvar.go and master.go
+# (the env), initcontainer.go (a Worker's init container), pytorchjob_controller.go
+# (UpdateJobStatus: the Master's success is the job's), pkg/controller.v1/common/pod.go
+# (ReconcilePods: ExitCode recreates a pod on a retryable code, fails the job on any other),
+# common/service.go (a headless Service per pod, named as the pod), common/job.go
+# (DeletePodsAndServices, cleanPodPolicy), pkg/util/train/train_util.go (IsRetryableExitCode:
+# >= 128), pkg/apis/kubeflow.org/v1/pytorch_defaults.go (cleanPodPolicy None, the port).
+
+PYTORCHJOB_API = "kubeflow.org/v1"
+PYTORCH_CONTAINER = "pytorch"
+PYTORCH_PORT_NAME = "pytorchjob-port"
+PYTORCH_DEFAULT_PORT = 23456
+PYTORCH_POLICIES = ("ExitCode", "Never")
+REPLICA_ORDER = ("Master", "Worker")
+KUBEFLOW_KEY = "training.kubeflow.org/"
+
+
+def retryable(exit_code: int) -> bool:
+    """train_util.IsRetryableExitCode: every code from 128 up (a signal, 138, and 128 itself)."""
+    return exit_code >= 128
+
+
+def pytorch_pod_verdict(restart_policy: str, exit_code: int) -> str:
+    """ReconcilePods on a pod that ended: succeeded, restart (deleted and created anew, alone,
+    without limit) or failed (the PyTorchJob fails)."""
+    if exit_code == 0:
+        return "succeeded"
+    if restart_policy == "ExitCode" and retryable(exit_code):
+        return "restart"
+    return "failed"
+
+
+def pytorch_succeeded(replicas: dict[str, int], succeeded: dict[str, int]) -> bool:
+    """UpdateJobStatus: with a Master, the job succeeds when the Master has; without one, when
+    every Worker has."""
+    if "Master" in replicas:
+        return succeeded.get("Master", 0) >= replicas["Master"]
+    return succeeded.get("Worker", 0) >= replicas.get("Worker", 0)
+
+
+def operator_env(job_name: str, replicas: dict[str, int], replica_type: str, index: int,
+                 master_port: int | None, nproc_per_node: str | None) -> list[tuple[str, str]]:
+    """setPodEnv: what the operator appends to the env of the pod's containers, in its order (a
+    later entry of the same name wins over the manifest's)."""
+    env = [("PYTHONUNBUFFERED", "1")]
+    total = sum(replicas.values())
+    try:
+        nproc = int(nproc_per_node) if nproc_per_node is not None else 1
+    except ValueError:  # "auto": the operator counts 1
+        nproc = 1
+    if "Master" in replicas:
+        master = f"{job_name}-master-0"
+        rank = index + 1 if replica_type == "Worker" else index
+        env += [("MASTER_PORT", str(master_port)), ("PET_MASTER_PORT", str(master_port)),
+                ("MASTER_ADDR", master), ("PET_MASTER_ADDR", master),
+                ("WORLD_SIZE", str(total * nproc)), ("RANK", str(rank)), ("PET_NODE_RANK", str(rank))]
+    if nproc_per_node is not None:
+        env.append(("PET_NPROC_PER_NODE", str(nproc_per_node)))
+    env.append(("PET_NNODES", str(total)))
+    return env
+
+
+def replica_slots(replicas: dict[str, int]) -> list[tuple[str, int]]:
+    """The pods, node 0 first: (Master, 0), then (Worker, 0), (Worker, 1), ..."""
+    return [(kind, index) for kind in REPLICA_ORDER for index in range(replicas.get(kind, 0))]
+
+
+def master_port_of(spec: dict) -> int | None:
+    for container in (spec["pytorchReplicaSpecs"].get("Master") or {}).get("template", {}).get("spec", {}).get(
+            "containers") or []:
+        if container.get("name") == PYTORCH_CONTAINER:
+            for port in container.get("ports") or []:
+                if port.get("name") == PYTORCH_PORT_NAME:
+                    return port.get("containerPort")
+    return None
+
+
+def check_pytorchjob(job: dict) -> dict[str, int]:
+    spec = job.get("spec") or {}
+    if not (job.get("metadata") or {}).get("name"):
+        raise BadInput("the PyTorchJob has no metadata.name; give it one")
+    specs = spec.get("pytorchReplicaSpecs") or {}
+    if not specs or set(specs) - set(REPLICA_ORDER):
+        raise BadInput(f"pytorchReplicaSpecs must hold Master and/or Worker, not {sorted(specs)}")
+    if spec.get("elasticPolicy"):
+        raise BadInput("elasticPolicy is not modelled here; drop it")
+    replicas = {}
+    for kind, replica in specs.items():
+        if replica.get("restartPolicy", "OnFailure") not in PYTORCH_POLICIES:
+            raise BadInput(f"{kind} restartPolicy {replica.get('restartPolicy', 'OnFailure')!r} is not modelled "
+                           f"({', '.join(PYTORCH_POLICIES)} are)")
+        containers = ((replica.get("template") or {}).get("spec") or {}).get("containers") or []
+        if not any(c.get("name") == PYTORCH_CONTAINER for c in containers):
+            raise BadInput(f"{kind}: no container named {PYTORCH_CONTAINER!r}; the operator finds it by that name")
+        replicas[kind] = replica.get("replicas", 1)
+    if replicas.get("Master", 1) != 1:
+        raise BadInput("Master replicas must be 1")
+    return replicas
+
+
+class PyTorchJobRun:
+    """A Kubeflow PyTorchJob (kubeflow.org/v1) run locally as training-operator v1.9 runs it.
+
+        job = PyTorchJobRun(manifest, env=..., configmaps=..., first_ip=...)   # as IndexedJob
+        job.start()
+        job.pod(i), pods(i), attempts(i), output(i), delete(i), wait_for_pod(i, attempt)
+                          # i = node rank: 0 the Master, 1 + k Worker k
+        job.history       # [(i, exit_code, verdict)], verdict succeeded/restart/failed/terminated
+        job.restarts      # pods recreated
+        job.wait(timeout) # ("Succeeded" | "Failed", reason), once no pod runs
+        job.stop(grace)
+
+    Pod i is named <job>-master-0 or <job>-worker-k (its hostname and HOSTNAME; the runner adds
+    its 5-character suffix to metadata.name), address first_ip + i, the operator's labels, and
+    --host lines for every pod's headless Service: <pod> and <pod>.<namespace>.svc.cluster.local.
+    The "pytorch" container gets operator_env() appended. A pod that ends is judged by its
+    replica's restartPolicy (pytorch_pod_verdict): restart deletes it and creates it again, alone;
+    failed fails the PyTorchJob (reason PyTorchJobFailed); the Master's success is the job's
+    (PyTorchJobSucceeded). Then, with cleanPodPolicy None (the default), the other pods are left
+    to end on their own (wait() waits for them); Running or All deletes them."""
+
+    def __init__(self, manifest: Path | str, env: dict[str, str] | None = None, keep_volumes: Path | str | None = None,
+                 configmaps: dict[str, Path | str] | None = None, *, folder: Path | str | None = None,
+                 first_ip: str | None = None, replacement_delay: float = REPLACEMENT_DELAY_SECONDS,
+                 echo: bool = False):
+        self.manifest = Path(manifest).resolve()
+        documents = load_documents(self.manifest)
+        self.job = one_of_kind(documents, PYTORCHJOB_API, "PyTorchJob", self.manifest)
+        self.replicas = check_pytorchjob(self.job)
+        self.configmap_documents = configmaps_of(documents)
+        self.name = self.job["metadata"]["name"]
+        self.namespace = self.job["metadata"].get("namespace", "default")
+        spec = self.job["spec"]
+        self.nproc_per_node = spec.get("nprocPerNode")
+        self.master_port = master_port_of(spec)
+        if "Master" in self.replicas and self.master_port is None:
+            # The webhook's defaulting adds the port; here the manifest must have it, as submit.py's has.
+            raise BadInput(f"the Master's {PYTORCH_CONTAINER} container has no port named {PYTORCH_PORT_NAME}; "
+                           f"add containerPort {PYTORCH_DEFAULT_PORT} named so")
+        self.clean_pod_policy = (spec.get("runPolicy") or {}).get("cleanPodPolicy", "None")
+        self.env, self.keep_volumes, self.echo = dict(env or {}), keep_volumes, echo
+        self.configmaps = {name: Path(path) for name, path in (configmaps or {}).items()}
+        self.replacement_delay = replacement_delay
+        self.slots = replica_slots(self.replicas)
+        self.size = len(self.slots)
+        self.ips = pod_ips(first_ip or FIRST_IP, self.size)
+        self.hosts = [(name, ip) for (kind, index), ip in zip(self.slots, self.ips)
+                      for name in (self.pod_name(kind, index),
+                                   f"{self.pod_name(kind, index)}.{self.namespace}.svc.cluster.local")]
+        self.folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix=f"local_pytorchjob-{self.name}-"))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.manifests = [self._pod_manifest(kind, index) for kind, index in self.slots]
+        self.grace = max(local_pod.load_job(m)["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+                         for m in self.manifests)
+        self.history: list[tuple[int, int, str]] = []
+        self.restarts = 0
+        self.condition: tuple[str, str] | None = None
+        self._pods: dict[int, list[JobPod]] = {i: [] for i in range(self.size)}
+        self._succeeded: dict[str, int] = {}
+        self._due: dict[int, float] = {}
+        self._ending: tuple[str, str] | None = None
+        self._lock = threading.RLock()
+        self._finished = threading.Event()
+        self._stopping = threading.Event()
+        self._controller: threading.Thread | None = None
+
+    def pod_name(self, kind: str, index: int) -> str:
+        return f"{self.name}-{kind.lower()}-{index}"
+
+    def _pod_manifest(self, kind: str, index: int) -> Path:
+        """The pod the operator would create, as a one-pod batch/v1 Job local_pod.py runs."""
+        replica = self.job["spec"]["pytorchReplicaSpecs"][kind]
+        template = copy.deepcopy(replica["template"])
+        meta = template.setdefault("metadata", {})
+        meta["labels"] = {**(meta.get("labels") or {}),
+                          KUBEFLOW_KEY + "operator-name": "pytorchjob-controller",
+                          KUBEFLOW_KEY + "job-name": self.name,
+                          KUBEFLOW_KEY + "replica-type": kind.lower(),
+                          KUBEFLOW_KEY + "replica-index": str(index),
+                          **({KUBEFLOW_KEY + "job-role": "master"} if kind == "Master" else {})}
+        pod_spec = template.setdefault("spec", {})
+        pod_spec["hostname"] = self.pod_name(kind, index)  # the operator's pod name, which is the hostname
+        pod_spec["restartPolicy"] = "Never"  # ExitCode: the operator, not the kubelet, restarts
+        added = operator_env(self.name, self.replicas, kind, index, self.master_port, self.nproc_per_node)
+        for container in pod_spec.get("containers") or []:
+            container["env"] = [*(container.get("env") or []), *({"name": k, "value": v} for k, v in added)]
+        # Worker pods also get the init container "init-pytorch" (nslookup of the Master until it
+        # resolves); local_pod.py runs no init containers, and the Master's name resolves here at once.
+        pod = {"apiVersion": "batch/v1", "kind": "Job",
+               "metadata": {"name": self.pod_name(kind, index), "namespace": self.namespace},
+               "spec": {"backoffLimit": 0, "template": template}}
+        return write_stream(self.folder / f"{self.pod_name(kind, index)}.yaml", [*self.configmap_documents, pod])
+
+    # ------------------------------------------------------------ the API
+
+    def start(self) -> "PyTorchJobRun":
+        for manifest, ip in zip(self.manifests, self.ips):
+            local_pod.load_pod(manifest, self.env, self.configmaps, None, ip, self.hosts)
+        local_pod.check_host()
+        with self._lock:
+            for rank in range(self.size):
+                self._start_pod(rank)
+        self._controller = threading.Thread(target=self._control, daemon=True)
+        self._controller.start()
+        return self
+
+    def pods(self, index: int) -> list[JobPod]:
+        with self._lock:
+            return list(self._pods[index])
+
+    def pod(self, index: int) -> JobPod:
+        return self.pods(index)[-1]
+
+    def attempts(self, index: int) -> int:
+        return len(self.pods(index))
+
+    def output(self, index: int) -> str:
+        return "".join(pod.output for pod in self.pods(index))
+
+    def wait_for_pod(self, index: int, attempt: int, timeout: float = 60) -> JobPod:
+        if not wait_until(lambda: self.attempts(index) >= attempt or self._finished.is_set(), timeout) \
+                or self.attempts(index) < attempt:
+            raise AssertionError(f"pod {index} has had {self.attempts(index)} pods, not {attempt}; "
+                                 f"history {self.history}; condition {self.condition}")
+        return self.pods(index)[attempt - 1]
+
+    def delete(self, index: int) -> None:
+        """Delete pod index's current pod (SIGTERM, SIGKILL after its grace), as a preemption."""
+        self.pod(index).delete(disruption=True)
+
+    def wait(self, timeout: float = 300) -> tuple[str, str]:
+        if not self._finished.wait(timeout) or self.condition is None:
+            tails = "\n".join(f"--- pod {i}, attempt {self.attempts(i)}:\n{self.pod(i).output[-2000:]}"
+                              for i in range(self.size) if self.attempts(i))
+            raise AssertionError(f"PyTorchJob {self.name} not finished after {timeout}s; history {self.history}\n{tails}")
+        return self.condition
+
+    def stop(self, grace: float = 10) -> None:
+        self._stopping.set()
+        with self._lock:
+            self._due.clear()
+            running = [p for pods in self._pods.values() for p in pods if p.proc.poll() is None]
+        for pod in running:
+            pod.delete(disruption=False)
+        deadline = time.monotonic() + grace
+        for pod in running:
+            try:
+                pod.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                os.killpg(pod.proc.pid, signal.SIGKILL)
+                pod.proc.wait()
+        if self._controller:
+            self._controller.join(timeout=10)
+
+    # ------------------------------------------------------------ the controller
+
+    def _start_pod(self, rank: int) -> None:
+        kind, index = self.slots[rank]
+        attempt = len(self._pods[rank]) + 1
+        pidfile = self.folder / f"{self.pod_name(kind, index)}-attempt{attempt}.pid"
+        command = [sys.executable, str(RUNNER), "--pidfile", str(pidfile), "--pod-ip", self.ips[rank]]
+        command += [arg for name, ip in self.hosts for arg in ("--host", f"{name}={ip}")]
+        command += [arg for name, path in self.configmaps.items() for arg in ("--configmap", f"{name}={path}")]
+        if self.keep_volumes:
+            command += ["--keep-volumes", str(self.keep_volumes)]
+        command += [arg for key, value in self.env.items() for arg in ("--env", f"{key}={value}")]
+        pod = JobPod(command + [str(self.manifests[rank])], pidfile, podlab.tool_env(), rank, attempt, self.echo)
+        self._pods[rank].append(pod)
+
+    def _control(self) -> None:
+        while not self._finished.is_set():
+            with self._lock:
+                self._step()
+            time.sleep(0.1)
+
+    def _step(self) -> None:
+        for rank, pods in self._pods.items():
+            pod = pods[-1] if pods else None
+            if pod is not None and not getattr(pod, "judged", False) and pod.exit_code() is not None:
+                pod.judged = True
+                self._judge(rank, pod)
+        now = time.monotonic()
+        for rank, due in list(self._due.items()):
+            if now >= due and not self._ending and not self._stopping.is_set():
+                del self._due[rank]
+                self.restarts += 1
+                self._start_pod(rank)
+        running = any(p.exit_code() is None for pods in self._pods.values() for p in pods)
+        if not running and not self._due and (self._ending or self._stopping.is_set()):
+            self.condition = self._ending
+            self._finished.set()
+            if self._ending:
+                log(f"PyTorchJob {self.name} {self._ending[0]}: {self._ending[1]}")
+
+    def _judge(self, rank: int, pod: JobPod) -> None:
+        code = pod.exit_code()
+        pod._reader.join(timeout=5)
+        if self._ending or self._stopping.is_set():
+            self.history.append((rank, code, "terminated"))
+            return
+        kind, _ = self.slots[rank]
+        policy = self.job["spec"]["pytorchReplicaSpecs"][kind].get("restartPolicy", "OnFailure")
+        verdict = pytorch_pod_verdict(policy, code)
+        self.history.append((rank, code, verdict))
+        log(f"{self.pod_name(*self.slots[rank])} (attempt {pod.attempt}) exited {code}: {verdict}")
+        if verdict == "succeeded":
+            self._succeeded[kind] = self._succeeded.get(kind, 0) + 1
+            if pytorch_succeeded(self.replicas, self._succeeded):
+                self._end("Succeeded", "PyTorchJobSucceeded")
+        elif verdict == "failed":
+            self._end("Failed", "PyTorchJobFailed")
+        else:
+            self._due[rank] = time.monotonic() + self.replacement_delay
+
+    def _end(self, condition: str, reason: str) -> None:
+        self._ending = (condition, reason)
+        self._due.clear()
+        if self.clean_pod_policy in ("Running", "All"):
+            for pods in self._pods.values():
+                if pods and pods[-1].exit_code() is None:
+                    pods[-1].delete(disruption=False)
+
+
+def controller_for(manifest: Path | str, *args, **kwargs):
+    """IndexedJob, JobSetRun or PyTorchJobRun, by what the manifest's stream holds."""
+    kinds = {(d.get("apiVersion"), d.get("kind")) for d in load_documents(Path(manifest))}
+    if (JOBSET_API, "JobSet") in kinds:
+        return JobSetRun(manifest, *args, **kwargs)
+    if (PYTORCHJOB_API, "PyTorchJob") in kinds:
+        return PyTorchJobRun(manifest, *args, **kwargs)
+    return IndexedJob(manifest, *args, **kwargs)
+
+
 # ---------------------------------------------------------------- command line
 
 
@@ -421,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env = dict(local_pod.key_value(text, "--env") for text in args.env)
         configmaps = dict(local_pod.key_value(text, "--configmap") for text in args.configmap)
-        job = IndexedJob(args.manifest, env, args.keep_volumes, configmaps, echo=True)
+        job = controller_for(args.manifest, env, args.keep_volumes, configmaps, echo=True)
         job.start()
     except local_pod.BadInput as error:
         log(str(error))
@@ -435,7 +1104,7 @@ def main(argv: list[str] | None = None) -> int:
     if job.condition is None:
         log(f"Job {job.name} deleted; history {job.history}")
         return 1
-    return 0 if job.condition[0] == "Complete" else 1
+    return 0 if job.condition[0] in ("Complete", "Completed", "Succeeded") else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,143 @@
+"""The multi-node runtime under the other two engines scripts/submit.py renders, run by the local
+controllers of lab/local_job.py: a JobSet (JobSetRun: its child Indexed Job, failurePolicy,
+restart-attempt) and a Kubeflow PyTorchJob (PyTorchJobRun: the operator's pod names, env and
+restartPolicy ExitCode). 2 pods x 1 process each, the real job/script.sh, torchrun and trainer;
+every run must end bitwise equal to 1 pod x 2 processes of the same config."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from podlab import ROOT, Run
+from test_multinode import GROUP_CONFIG, STEPS, one_pod_two_processes
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")]
+local_job = pytest.importorskip("local_job")
+
+_reference: dict[str, bytes] = {}
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free (the rendezvous and node 0's answer): pods share the host's network."""
+    while True:
+        port = random.randint(30000, 60000)
+        try:
+            for candidate in (port, port + 1):
+                with socket.socket() as probe:
+                    probe.bind(("0.0.0.0", candidate))
+        except OSError:
+            continue
+        return port
+
+
+def render(run: Run, engine: str, name: str) -> Path:
+    """`scripts/submit.py NAME --engine ENGINE --nodes 2` for this run, on a port of its own."""
+    stream = subprocess.run([sys.executable, str(ROOT / "scripts" / "submit.py"), name, "--image", "local",
+                             "--code", run.code_uri, "--data", run.data_uri, "--output", run.output_uri,
+                             "--engine", engine, "--nodes", "2", "--gpus-per-node", "1"],
+                            check=True, capture_output=True, text=True).stdout
+    port = str(free_port_pair())
+    rendered = stream.replace(":29400", f":{port}") if engine == "jobset" else \
+        stream.replace("containerPort: 23456", f"containerPort: {port}")
+    assert rendered != stream, "the port to replace is where it was"
+    path = run.folder / f"{name}-{engine}.yaml"
+    path.write_text(rendered)
+    return path
+
+
+def start(run: Run, engine: str, name: str = "g1", **env: str):
+    controller = {"jobset": local_job.JobSetRun, "pytorchjob": local_job.PyTorchJobRun}[engine]
+    first_ip = f"127.{random.randint(1, 254)}.{random.randint(0, 254)}.10"  # beside other tests' pods
+    group = controller(render(run, engine, name), env=run.env(**env), first_ip=first_ip,
+                       configmaps={"script-configmap": ROOT / "job"}, folder=run.folder / f"{engine}-pods")
+    return group.start()
+
+
+def reference(run: Run, folder: Path) -> bytes:
+    """1 pod x 2 processes of GROUP_CONFIG (the same for every test here): computed once."""
+    if "model" not in _reference:
+        _reference["model"] = one_pod_two_processes(run, folder)
+    return _reference["model"]
+
+
+@pytest.fixture
+def group_run(s3, s3_endpoint, tmp_path, tool_path):
+    run = Run(s3, s3_endpoint, tmp_path, name="g1", **GROUP_CONFIG).stage()
+    yield run
+
+
+@pytest.fixture
+def groups():
+    started = []
+    yield started
+    for group in started:
+        group.stop(grace=30)
+
+
+def assert_trained_to_the_end(run: Run, model: bytes) -> None:
+    assert run.json("COMPLETE")["steps"] == STEPS
+    assert run.read(f"checkpoints/step-{STEPS:08d}/model.pt") == model, "bitwise equal to 1 pod x 2 processes"
+
+
+def test_jobset_a_lost_node_restarts_both_pods_once_and_the_run_ends_bitwise_equal(group_run, groups, tmp_path):
+    model = reference(group_run, tmp_path / "reference")
+    jobset = start(group_run, "jobset")
+    groups.append(jobset)
+    jobset.pod(0).wait_for_event("uploaded", timeout=300)
+    assert jobset.pod(1).lose_node()
+    state = jobset.wait(timeout=600)
+    assert state == ("Completed", "AllJobsCompleted"), (jobset.failures, jobset.history, jobset.output(0)[-3000:])
+    # SIGKILL matches no FailJob rule of the child Job (backoffLimit 0) and no JobSet rule: RestartJobSet, counted.
+    assert [f[:3] for f in jobset.failures] == [(0, "BackoffLimitExceeded", local_job.BACKOFF_LIMIT_MESSAGE)]
+    assert (jobset.restarts, jobset.counted_restarts) == (1, 1)
+    assert [jobset.attempts(0), jobset.attempts(1)] == [2, 2], "both pods recreated, not only the lost one"
+    assert jobset.history[0] == (1, 137, "counted"), jobset.history
+    second = jobset.children[1]
+    assert local_job.local_pod.load_job(second.manifest)["spec"]["template"]["metadata"]["annotations"][
+        local_job.RESTART_ATTEMPT] == "1"
+    node0, node1 = jobset.pod(0), jobset.pod(1)
+    assert "pod g1-node-0-0 (node 0 of 2) starting" in node0.output
+    assert "pod g1-node-0-1 (node 1 of 2) starting" in node1.output
+    assert node0.wait_for_event("resumed", timeout=5)["step"] > 0, "the group went on from S3, not from step 0"
+    assert_trained_to_the_end(group_run, model)
+
+
+def test_pytorchjob_a_clean_run_finds_its_ranks_and_master_and_ends_bitwise_equal(group_run, groups, tmp_path):
+    model = reference(group_run, tmp_path / "reference")
+    job = start(group_run, "pytorchjob")
+    groups.append(job)
+    state = job.wait(timeout=600)
+    assert state == ("Succeeded", "PyTorchJobSucceeded"), (job.history, job.output(0)[-3000:], job.output(1)[-3000:])
+    assert sorted(job.history) == [(0, 0, "succeeded"), (1, 0, "succeeded")]
+    master, worker = job.pod(0), job.pod(1)
+    # The node rank came from the operator's PET_NODE_RANK/RANK, the rendezvous from MASTER_ADDR:MASTER_PORT.
+    assert "pod g1-master-0 (node 0 of 2) starting" in master.output
+    assert "pod g1-worker-0 (node 1 of 2) starting" in worker.output
+    assert worker.wait_for_event("phase", name="wait for node 0", state="done", timeout=5)
+    assert not [e for e in worker.events if e["event"] in ("lease", "uploaded", "complete")], "one writer"
+    assert_trained_to_the_end(group_run, model)
+
+
+def test_pytorchjob_a_lost_worker_is_recreated_alone_the_master_follows_and_the_run_ends_bitwise_equal(
+        group_run, groups, tmp_path):
+    model = reference(group_run, tmp_path / "reference")
+    job = start(group_run, "pytorchjob")
+    groups.append(job)
+    job.pod(0).wait_for_event("uploaded", timeout=300)
+    assert job.pod(1).lose_node()
+    state = job.wait(timeout=600)
+    assert state == ("Succeeded", "PyTorchJobSucceeded"), (job.history, job.output(0)[-3000:], job.output(1)[-3000:])
+    # ExitCode: the worker's 137 is retryable, so the operator recreates it alone; the master sees its
+    # peer gone and exits 138 (retryable too), so it is recreated in its turn.
+    assert job.history[0] == (1, 137, "restart"), job.history
+    assert (0, 138, "restart") in job.history, job.history
+    assert job.restarts == 2 and [job.attempts(0), job.attempts(1)] == [2, 2], job.history
+    assert job.pod(0).wait_for_event("resumed", timeout=5)["step"] > 0, "resumed from S3, not from step 0"
+    assert_trained_to_the_end(group_run, model)
