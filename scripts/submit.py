@@ -284,7 +284,11 @@ def headless_service(name: str, selector: dict[str, str]) -> dict:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": {"name": name, "labels": {"app.kubernetes.io/name": name}},
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector,
-                     "ports": [{"name": "rdzv", "port": RDZV_PORT, "targetPort": RDZV_PORT, "protocol": "TCP"}]}}
+                     # Listed for who reads it (a NetworkPolicy's author): a headless Service's pod
+                     # names resolve, and every port of a pod is reached, whatever is listed here.
+                     "ports": [{"name": "rdzv", "port": RDZV_PORT, "targetPort": RDZV_PORT, "protocol": "TCP"},
+                               {"name": "checkpoint", "port": RDZV_PORT + 1, "targetPort": RDZV_PORT + 1,
+                                "protocol": "TCP"}]}}
 
 
 def render_indexed(job: dict, args: argparse.Namespace) -> list[dict]:
