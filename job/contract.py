@@ -100,8 +100,9 @@ LOGS_PREFIX = "logs/"             # logs/attempt-NNNN-POD/NNNNNNNN.log
 # One line each on the pod's output (and so in `kubectl logs` and the log in S3): EVENT_PREFIX and a
 # JSON object with "event", "source" and "time" (Unix seconds). Tools match these, never prose.
 #   phase       name, state ("start" | "done"), seconds (done)      script.sh: check S3 access,
-#               sync code, sync data, sync model, python environment, take the run's lease, restore
-#               checkpoint; final upload (with trainer_exit; exit: the uploader's code, at done)
+#               sync code, sync data, sync model, python environment, take the run's lease (node 0),
+#               wait for node 0 (nodes k > 0 of a group), restore checkpoint; final upload (node 0;
+#               with trainer_exit; exit: the uploader's code, at done)
 #   ready       seconds (from the pod's start to training)            script.sh
 #   lease       state ("held" | "off" | "complete"), waited (held)   lease.py
 #   restore     step, name (restored; null: the trainer starts at 0)  restore.py
