@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import re
 import sys
 import tempfile
 import time
@@ -29,24 +28,23 @@ from pathlib import Path
 
 from podlab import Pod, Run, local_s3
 
-# Phase: (what starts it, longest delay after that, in seconds). The runtime's phases are its
-# events (job/contract.py); inside training, the trainer's own step lines (train.py's output).
+# Phase: (the event that starts it, longest delay after that, in seconds): the runtime's events and,
+# inside training, the trainer's (job/contract.py), never prose. A step of None is drawn per pod (trigger).
 PHASES = {
     "code sync": (("phase", {"name": "sync code", "state": "start"}), 0.3),
     "data sync": (("phase", {"name": "sync data", "state": "start"}), 0.3),
     "environment": (("phase", {"name": "python environment", "state": "start"}), 0.5),
     "lease": (("phase", {"name": "take the run's lease", "state": "start"}), 0.2),
     "restore": (("phase", {"name": "restore checkpoint", "state": "start"}), 0.3),
-    "training": ("train: step {step}/", 0.02),
-    "checkpoint write": ("train: step {checkpoint}/", 0.01),
-    "upload": ("train: checkpoint step-", 1.0),
+    "training": (("step", {"step": None}), 0.02),
+    "checkpoint write": (("step", {"step": None}), 0.01),  # a checkpoint step: its save follows
+    "upload": (("checkpoint", {"state": "committed"}), 1.0),
     "final upload": (("phase", {"name": "final upload", "state": "start", "trainer_exit": 0}), 0.3),
     "writing COMPLETE": (("complete", {"state": "writing"}), 0.01),
 }
 LAST_PHASES = ("final upload", "writing COMPLETE")  # reached only once training is done
 CHAOS_CONFIG = {"train__max_steps": 100, "checkpoint__interval": 5, "checkpoint__keep": 2, "eval__interval": 10,
                 "model__n_embd": 64, "model__block_size": 64, "train__batch_size": 16}
-STEP = re.compile(r"train: step (\d+)/")
 
 
 @dataclass
@@ -104,15 +102,15 @@ def schedule(kills: int, sigterms: int, seed: int) -> list[Moment]:
     return moments
 
 
-def trigger(pod: Pod, moment: Moment, rng: random.Random, max_steps: int) -> str | tuple:
-    """The event or trainer line to wait for; for training phases it depends on where this pod resumed."""
-    text = PHASES[moment.phase][0]
-    if isinstance(text, tuple):
-        return text
+def trigger(pod: Pod, moment: Moment, rng: random.Random, max_steps: int) -> tuple[str, dict]:
+    """The event to wait for; for training phases its step depends on where this pod resumed."""
+    kind, fields = PHASES[moment.phase][0]
+    if "step" not in fields or fields["step"] is not None:
+        return kind, fields
     resumed = pod.wait_for_event("restore", timeout=180)["step"] or 0
     step = min(resumed + rng.randint(2, 9), max_steps - 1)
     checkpoint = min(max_steps - 1, (resumed // 5 + 1) * 5 + 5 * rng.randint(0, 1))
-    return text.format(step=step, checkpoint=checkpoint)
+    return kind, {**fields, "step": checkpoint if moment.phase == "checkpoint write" else step}
 
 
 def run_chaos(run: Run, moments: list[Moment], seed: int, say=print) -> list[Row]:
@@ -140,11 +138,8 @@ def _drive(pod: Pod, moment: Moment | None, rng: random.Random, max_steps: int) 
     hit = False
     if moment:
         try:
-            what = trigger(pod, moment, rng, max_steps)
-            if isinstance(what, tuple):
-                pod.wait_for_event(what[0], timeout=180, **what[1])
-            else:
-                pod.wait_for(what, timeout=180)
+            kind, fields = trigger(pod, moment, rng, max_steps)
+            pod.wait_for_event(kind, timeout=180, **fields)
             time.sleep(moment.delay)
             hit = pod.proc.poll() is None
             if hit and moment.signal == "KILL":
@@ -154,7 +149,7 @@ def _drive(pod: Pod, moment: Moment | None, rng: random.Random, max_steps: int) 
         except AssertionError:
             hit = False  # the pod ended before that moment came
     code = pod.wait(timeout=300)
-    steps = [int(m.group(1)) for m in map(STEP.search, pod.lines) if m]
+    steps = [e["step"] for e in pod.events if e["event"] == "step"]
     return Row(moment, hit, code, _resumed_from(pod), max(steps) if steps else None)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from podlab import Run, local_s3
+import contract  # noqa: E402 - on the path podlab set: the trainer's events, not its prose
 
 LONG = "--set train.max_steps=100000 --set log.interval=1"
 WAITED = re.compile(r"waited ([0-9.]+)s")
@@ -46,8 +47,8 @@ def restart_after_lost_node(run: Run, pod, ttl: int, train_args: str = LONG,
     second = run.start(LEASE_TTL_SECONDS=str(ttl), TRAIN_ARGS=train_args)
     try:
         if first_resumed_step is None:
-            second.wait_for("train: resumed from", timeout=ttl + 300)
-            second.wait_for("train: step ", timeout=120)
+            resumed = second.wait_for_event("resumed", timeout=ttl + 300, source="train")["step"]
+            second.wait_for_event("step", timeout=120, step=resumed + 1)
         else:
             first_resumed_step(second, ttl + 300)
         took = time.monotonic() - killed
@@ -89,8 +90,8 @@ def outage(s3, endpoint: str, folder: Path, ttl: int) -> dict:
 
 
 def _steps(output: str) -> int:
-    found = re.findall(r"train: step (\d+)/", output)
-    return int(found[-1]) if found else 0
+    found = [e["step"] for e in map(contract.parse_event, output.splitlines()) if e and e["event"] == "step"]
+    return found[-1] if found else 0
 
 
 def main() -> int:
