@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Uploads the training code in the layout the pod expects:
 #
-#   S3_CODE_URI/train.py model.py config.py checkpoint.py requirements.txt config/*.yaml
+#   S3_CODE_URI/train.py model.py config.py checkpoint.py contract.py requirements.txt config/*.yaml
 #
 #   scripts/stage.sh s3://bucket/gpt/code/ [--data DIR s3://bucket/gpt/data/] [--model DIR s3://bucket/models/x/]
 #

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from podlab import ROOT, VENV_BIN, tool_env
+from podlab import BUCKET, ROOT, VENV_BIN, tool_env
 
 JOB = yaml.safe_load((ROOT / "job.yaml").read_text())
 POD = JOB["spec"]["template"]["spec"]
@@ -146,6 +146,15 @@ def test_no_script_traces_commands():
     for name in shell_scripts():
         text = (ROOT / name).read_text()
         assert not re.search(r"^\s*set\s+-[a-z]*x|set -o xtrace|bash -x", text, re.M), name
+
+
+@pytest.mark.parametrize("name", ["checkpoint.py", "contract.py"])
+def test_stage_uploads_the_runtime_modules_code_links_as_their_files(s3, name):
+    # code/checkpoint.py and code/contract.py are links to job/'s: a trainer synced from S3 without
+    # job/ imports them, so they must arrive as files, not as links or not at all.
+    subprocess.run([str(ROOT / "scripts" / "stage.sh"), f"s3://{BUCKET}/code/"], check=True, capture_output=True,
+                   env=tool_env())
+    assert s3.get_object(Bucket=BUCKET, Key=f"code/{name}")["Body"].read() == (ROOT / "job" / name).read_bytes()
 
 
 def test_stage_checks_every_uri_before_uploading_anything(tmp_path):
