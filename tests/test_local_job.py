@@ -249,3 +249,169 @@ def test_command_line_runs_the_job_and_refuses_a_job_that_is_not_indexed(tmp_pat
                             capture_output=True, text=True, timeout=50)
     assert (result.returncode, result.stdout) == (64, "")
     assert result.stderr.count("\n") == 1 and "not Indexed" in result.stderr
+
+
+# ---------------------------------------------------------------- JobSetRun and PyTorchJobRun
+
+# Each pod prints who it is, then exits as plan-<index>-<attempt> says (attempt: the JobSet's
+# restart-attempt, or the pod's own count), else waits for its deletion.
+JOBSET_POD = """
+trap 'exit 143' TERM
+echo "index $$JOB_COMPLETION_INDEX attempt $$ATTEMPT host $$(hostname) peer $$(getent hosts demo-node-0-0.demo | awk '{print $$1}')"
+plan="$$SHARED/plan-$$JOB_COMPLETION_INDEX-$$ATTEMPT"
+if [ -f "$$plan" ]; then exit "$$(cat "$$plan")"; fi
+sleep 60 & wait
+"""
+# submit.py --engine jobset's rules, the child Job's and the JobSet's.
+JOBSET_CHILD_POLICY = {"rules": [
+    {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+    {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [64]}},
+]}
+JOBSET_RULES = [
+    {"name": "badInput", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
+     "onJobFailureMessagePatterns": ["failed with exit code 64 matching FailJob rule"]},
+    {"name": "disrupted", "action": "RestartJobSetAndIgnoreMaxRestarts", "onJobFailureReasons": ["PodFailurePolicy"],
+     "onJobFailureMessagePatterns": ["has condition DisruptionTarget matching FailJob rule"]},
+]
+
+
+def write_jobset(directory, shared, max_restarts):
+    attempt = "metadata.annotations['jobset.sigs.k8s.io/restart-attempt']"
+    container = {"name": "trainer", "image": "unused", "command": ["bash", "-c", JOBSET_POD],
+                 "env": [{"name": "SHARED", "value": shared},
+                         {"name": "ATTEMPT", "valueFrom": {"fieldRef": {"fieldPath": attempt}}}]}
+    child = {"completionMode": "Indexed", "completions": 2, "parallelism": 2, "backoffLimit": 0,
+             "podReplacementPolicy": "Failed", "podFailurePolicy": JOBSET_CHILD_POLICY,
+             "template": {"spec": {"restartPolicy": "Never", "containers": [container],
+                                   "terminationGracePeriodSeconds": 2}}}
+    jobset = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {"name": "demo"},
+              "spec": {"network": {"enableDNSHostnames": True},
+                       "failurePolicy": {"maxRestarts": max_restarts, "rules": JOBSET_RULES},
+                       "replicatedJobs": [{"name": "node", "replicas": 1, "template": {"spec": child}}]}}
+    path = directory / "jobset.yaml"
+    path.write_text(yaml.safe_dump(jobset))
+    return path
+
+
+def start_jobset(jobs, path, first_ip):
+    jobset = local_job.JobSetRun(path, first_ip=first_ip, folder=path.parent / "pods")
+    jobs.append(jobset)
+    return jobset.start()
+
+
+def test_jobset_preemption_restarts_every_pod_uncounted_then_completes(tmp_path, jobs, first_ip, shared):
+    plan(shared, plan_0_1=0, plan_1_1=0)  # restart-attempt 1: both succeed
+    jobset = start_jobset(jobs, write_jobset(tmp_path, shared, max_restarts=0), first_ip)
+    jobset.pod(1).wait_for("index 1 attempt 0", 20)
+    jobset.delete(1)  # DisruptionTarget: the child Job fails by its FailJob rule
+    assert jobset.wait(40) == ("Completed", "AllJobsCompleted"), jobset.output(0) + jobset.output(1)
+    # The preempted pod and its peer (deleted by the failed child Job) both come back, restart-attempt 1,
+    # not counted against maxRestarts 0.
+    assert jobset.history[:2] == [(1, 143, "failjob"), (0, 143, "terminated")], jobset.history
+    assert sorted(jobset.history[2:]) == [(0, 0, "succeeded"), (1, 0, "succeeded")], jobset.history
+    assert (jobset.restarts, jobset.counted_restarts) == (1, 0)
+    (attempt, reason, message, decision), = jobset.failures
+    assert (attempt, reason, decision) == (0, "PodFailurePolicy", "restart (not counted)")
+    assert re.fullmatch(r"Pod default/demo-node-0-1-[a-z0-9]{5} has condition DisruptionTarget matching FailJob "
+                        r"rule at index 0", message)
+    prefix = first_ip.rsplit(".", 1)[0]
+    for index in (0, 1):
+        assert [line for line in jobset.output(index).splitlines() if line.startswith("index")] == [
+            f"index {index} attempt {n} host demo-node-0-{index} peer {prefix}.10" for n in (0, 1)]
+
+
+def test_jobset_counts_crashes_up_to_max_restarts_and_fails_on_bad_input(tmp_path, jobs, first_ip, shared):
+    plan(shared, plan_0_0=1, plan_1_1=137, plan_1_2=64)
+    jobset = start_jobset(jobs, write_jobset(tmp_path, shared, max_restarts=3), first_ip)
+    assert jobset.wait(60) == ("Failed", "FailJobSetFailurePolicyAction"), jobset.failures
+    assert [(f[0], f[1], f[3]) for f in jobset.failures] == [
+        (0, "BackoffLimitExceeded", "restart (counted)"), (1, "BackoffLimitExceeded", "restart (counted)"),
+        (2, "PodFailurePolicy", "Failed (FailJobSetFailurePolicyAction)")]
+    assert "failed with exit code 64 matching FailJob rule at index 1" in jobset.failures[2][2]
+    assert (jobset.restarts, jobset.counted_restarts, jobset.attempts(0), jobset.attempts(1)) == (2, 2, 3, 3)
+
+
+def test_jobset_fails_past_max_restarts(tmp_path, jobs, first_ip, shared):
+    plan(shared, plan_0_0=1, plan_0_1=1)
+    jobset = start_jobset(jobs, write_jobset(tmp_path, shared, max_restarts=1), first_ip)
+    assert jobset.wait(40) == ("Failed", "ReachedMaxRestarts"), jobset.failures
+    assert (jobset.restarts, jobset.attempts(0)) == (1, 2)
+
+
+# The operator's env, then exit as plan-<rank>-<n> says (n: this pod's count) once it is there.
+PYTORCH_POD = """
+trap 'exit 143' TERM
+echo "$$RANK" >> "$$SHARED/starts"
+n=$$(grep -cx "$$RANK" "$$SHARED/starts")
+echo "rank $$RANK pod $$n host $$(hostname) master $$MASTER_ADDR:$$MASTER_PORT at $$(getent hosts $$MASTER_ADDR | awk 'NR == 1 {print $$1}') world $$WORLD_SIZE nnodes $$PET_NNODES"
+plan="$$SHARED/plan-$$RANK-$$n"
+while [ ! -f "$$plan" ]; do sleep 0.2 & wait; done
+exit "$$(cat "$$plan")"
+"""
+
+
+def plan_now(shared, rank, pod, code):
+    """Tell pod number `pod` of `rank` to exit `code` now (renamed into place: never read half written)."""
+    path = os.path.join(shared, f"plan-{rank}-{pod}")
+    with open(path + ".tmp", "w") as file:
+        file.write(str(code))
+    os.replace(path + ".tmp", path)
+
+
+def write_pytorchjob(directory, shared, clean_pod_policy=None):
+    def replica():
+        container = {"name": "pytorch", "image": "unused", "command": ["bash", "-c", PYTORCH_POD],
+                     "env": [{"name": "SHARED", "value": shared}],
+                     "ports": [{"name": "pytorchjob-port", "containerPort": 23456}]}
+        return {"replicas": 1, "restartPolicy": "ExitCode",
+                "template": {"spec": {"containers": [container], "terminationGracePeriodSeconds": 2}}}
+    spec = {"pytorchReplicaSpecs": {"Master": replica(), "Worker": replica()},
+            "runPolicy": {"cleanPodPolicy": clean_pod_policy} if clean_pod_policy else {}}
+    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "demo"}, "spec": spec}
+    path = directory / "pytorchjob.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def start_pytorchjob(jobs, path, first_ip):
+    job = local_job.PyTorchJobRun(path, first_ip=first_ip, folder=path.parent / "pods")
+    jobs.append(job)
+    return job.start()
+
+
+def test_pytorchjob_recreates_a_signalled_pod_alone_and_succeeds_with_its_master(tmp_path, jobs, first_ip, shared):
+    job = start_pytorchjob(jobs, write_pytorchjob(tmp_path, shared), first_ip)
+    job.pod(0).wait_for("rank 0 pod 1", 20)
+    job.pod(1).wait_for("rank 1 pod 1", 20)
+    job.pod(1).delete()  # 143: retryable, the worker alone is recreated
+    job.wait_for_pod(1, 2).wait_for("rank 1 pod 2", 20)
+    plan_now(shared, 1, 2, 0)
+    assert local_job.wait_until(lambda: (1, 0, "succeeded") in job.history, 20), job.history
+    assert job.condition is None and job.pod(0).exit_code() is None, "a Worker's success does not end the job"
+    plan_now(shared, 0, 1, 0)
+    assert job.wait(40) == ("Succeeded", "PyTorchJobSucceeded"), job.history
+    assert job.history == [(1, 143, "restart"), (1, 0, "succeeded"), (0, 0, "succeeded")]
+    assert (job.attempts(0), job.attempts(1), job.restarts) == (1, 2, 1)
+    ip0 = first_ip
+    assert f"rank 0 pod 1 host demo-master-0 master demo-master-0:23456 at {ip0} world 2 nnodes 2\n" in job.output(0)
+    assert f"rank 1 pod 2 host demo-worker-0 master demo-master-0:23456 at {ip0} world 2 nnodes 2\n" in job.output(1)
+
+
+def test_pytorchjob_fails_on_a_code_below_128_and_leaves_the_others_under_clean_pod_policy_none(
+        tmp_path, jobs, first_ip, shared):
+    job = start_pytorchjob(jobs, write_pytorchjob(tmp_path, shared), first_ip)
+    job.pod(0).wait_for("rank 0 pod 1", 20)
+    plan_now(shared, 1, 1, 75)  # "a retry may pass" is not retryable under ExitCode
+    assert local_job.wait_until(lambda: (1, 75, "failed") in job.history, 20), job.history
+    assert job.pod(0).exit_code() is None, "cleanPodPolicy None: the master is left running"
+    plan_now(shared, 0, 1, 138)  # it ends by itself: nothing is recreated for a finished job
+    assert job.wait(40) == ("Failed", "PyTorchJobFailed")
+    assert job.history == [(1, 75, "failed"), (0, 138, "terminated")] and job.restarts == 0
+
+
+def test_pytorchjob_clean_pod_policy_running_deletes_the_others(tmp_path, jobs, first_ip, shared):
+    job = start_pytorchjob(jobs, write_pytorchjob(tmp_path, shared, "Running"), first_ip)
+    job.pod(0).wait_for("rank 0 pod 1", 20)
+    plan_now(shared, 1, 1, 64)
+    assert job.wait(40) == ("Failed", "PyTorchJobFailed")
+    assert job.history == [(1, 64, "failed"), (0, 143, "terminated")]
