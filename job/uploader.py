@@ -47,6 +47,7 @@ from pathlib import Path
 
 import checkpoint  # the runtime's own copy of the protocol, never the user's upload
 import contract
+import remote_checkpoints
 import s3 as s3lib
 from lease import Keeper, Lease, LeaseLost
 from s3 import Location, log
@@ -181,14 +182,11 @@ class Uploader:
         """The files S3's manifest of a checkpoint lists; None when not committed there, {} when
         its manifest is damaged (then the local one replaces it)."""
         if name not in self.remote:
-            try:
-                manifest, _ = s3lib.get_json(self.s3, self.ckpts, self.ckpts.key(name, checkpoint.MANIFEST), self.retry)
-            except ValueError:
-                manifest = {}
-            if manifest is None:
+            manifest, problem = remote_checkpoints.manifest_of(self.s3, self.ckpts, name, self.retry)
+            if manifest is None and problem is None:
                 self.remote[name] = None
             else:
-                self.remote[name] = manifest["files"] if checkpoint.is_manifest(manifest) else {}
+                self.remote[name] = {} if problem else manifest["files"]
         return self.remote[name]
 
     def upload_checkpoint(self, folder: Path) -> bool:
@@ -210,11 +208,11 @@ class Uploader:
         try:
             if self.remote_files(folder.name) is not None:
                 self._uncommit(folder.name)
-            for name, handle in handles.items():
-                self._put_file(folder, name, handle, manifest)
-            self.write(self.s3.put_object, Bucket=self.run.bucket,
-                       Key=self.ckpts.key(folder.name, checkpoint.MANIFEST), Body=manifest_bytes,
-                       ContentType="application/json")
+            # Called as the bytes go: a part that takes longer than ttl/2 to send stops once the
+            # lease is lost.
+            still_ours = lambda _bytes: self.keeper.check()  # noqa: E731
+            remote_checkpoints.put_checkpoint(self.s3, self.ckpts, folder.name, handles, manifest_bytes,
+                                              self.write, still_ours, self._same_bytes_in_s3(folder.name, manifest))
         finally:
             for handle in handles.values():
                 handle.close()
@@ -227,74 +225,29 @@ class Uploader:
                        bytes=size, seconds=round(took, 3))
         return True
 
-    def _put_file(self, folder: Path, name: str, handle, manifest: dict) -> None:
-        key = self.ckpts.key(folder.name, name)
-        source = self._same_bytes_in_s3(folder.name, name, manifest)
-        # Called as the bytes go (every 256 KB or so): a part that takes longer than ttl/2 to send
-        # stops once the lease is lost, and s3transfer aborts the multipart upload.
-        still_ours = lambda _bytes: self.keeper.check()  # noqa: E731
-        if source:  # best/ is a step that is already up: copy inside S3
-            copy = {"Bucket": self.run.bucket, "Key": source}
-            self.write(self.s3.copy, copy, self.run.bucket, key, Config=s3lib.TRANSFER, Callback=still_ours)
-            return
-
-        def put():
-            handle.seek(0)
-            self.s3.upload_fileobj(handle, self.run.bucket, key, Config=s3lib.TRANSFER, Callback=still_ours)
-
-        self.write(put)
-
-    def _same_bytes_in_s3(self, folder_name: str, name: str, manifest: dict) -> str | None:
+    def _same_bytes_in_s3(self, folder_name: str, manifest: dict) -> dict[str, str]:
+        """best/'s files that the step it is a copy of already has in S3: file name -> key."""
         meta = manifest.get("meta")
         step = meta.get("step") if isinstance(meta, dict) else None
         if checkpoint.parse_step(folder_name) is not None or not isinstance(step, int) or step < 0:
-            return None
+            return {}
         source = checkpoint.step_dir_name(step)
         remote = self.remote_files(source)
-        if remote and remote.get(name) == manifest["files"][name]:
-            return self.ckpts.key(source, name)
-        return None
+        return {name: self.ckpts.key(source, name) for name, entry in manifest["files"].items()
+                if remote and remote.get(name) == entry}
 
     def _uncommit(self, name: str) -> None:
-        self.write(self.s3.delete_object, Bucket=self.run.bucket, Key=self.ckpts.key(name, checkpoint.MANIFEST))
+        remote_checkpoints.uncommit(self.s3, self.ckpts, name, self.write)
         self.remote[name] = None
 
     def apply_retention(self, keep: int) -> None:
         objects = s3lib.list_objects(self.s3, self.ckpts, self.retry)
-        by_step: dict[int, list[str]] = {}
-        committed = set()
-        for item in objects:
-            name, _, rest = item["Key"][len(self.ckpts.prefix):].partition("/")
-            step = checkpoint.parse_step(name)
-            if step is None:
-                continue
-            by_step.setdefault(step, []).append(item["Key"])
-            if rest == checkpoint.MANIFEST:
-                committed.add(step)
-        if not committed:
-            return
-        kept = sorted(committed, reverse=True)[:max(keep, 1)]
-        newest = kept[0]
-        # This pod's own line (what it restored from, what it trained since) stays while the
-        # trainer keeps it: a newer step in S3 may be one whose files are damaged.
+        listed = [item["Key"][len(self.ckpts.prefix):] for item in objects]
         ours = {s for s, _ in checkpoint.committed_steps(self.out / "checkpoints")}
-        # Older than the newest committed and not kept: pruned ones, and leftovers of uploads
-        # that a dead pod never finished (no manifest).
-        doomed = [s for s in by_step if s not in kept and s not in ours and s < newest]
-        for step in sorted(doomed):
-            self._delete_checkpoint(step, by_step[step])
-
-    def _delete_checkpoint(self, step: int, keys: list[str]) -> None:
-        name = checkpoint.step_dir_name(step)
-        manifest = self.ckpts.key(name, checkpoint.MANIFEST)
-        if manifest in keys:  # uncommit first: a half-deleted folder must not look whole
-            self._uncommit(name)
-        rest = [{"Key": k} for k in keys if k != manifest]
-        for start in range(0, len(rest), 1000):
-            self.write(self.s3.delete_objects, Bucket=self.run.bucket,
-                       Delete={"Objects": rest[start:start + 1000], "Quiet": True})
-        self.remote.pop(name, None)
-        log("uploader", f"retention: removed {name} from S3")
+        for name, keys in remote_checkpoints.to_prune(listed, keep, ours):
+            self.remote.pop(name, None)  # forgotten first: what S3 holds of it is read again if asked
+            remote_checkpoints.prune(self.s3, self.ckpts, name, keys, self.write)
+            log("uploader", f"retention: removed {name} from S3")
 
     # -- growing files ---------------------------------------------------------------------------
     # S3 has no append, and putting a growing file whole every round costs the square of its size

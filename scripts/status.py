@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import os
 import sys
 import tempfile
@@ -50,7 +49,8 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "job"))  # the pod's contract and S3 error table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "job"))  # the pod's contract, S3 error table, protocol
+import checkpoint  # noqa: E402 - step folder names, as the pod names them
 import contract  # noqa: E402
 import s3_errors  # noqa: E402
 
@@ -198,8 +198,8 @@ def find_runs(objects: list[dict], prefix: str) -> dict[str, RunFiles]:
         run.keys.add(inner)
         parts = inner.split("/")
         is_manifest = len(parts) == 3 and parts[0] == CHECKPOINTS and parts[2] == MANIFEST
-        if is_manifest and _step_of(parts[1]) is not None:  # committed: its manifest is there
-            run.committed.add(_step_of(parts[1]))
+        if is_manifest and checkpoint.parse_step(parts[1]) is not None:  # committed: its manifest is there
+            run.committed.add(checkpoint.parse_step(parts[1]))
         if parts[0] == "tensorboard" and "tfevents" in parts[-1]:
             run.event_files.append(inner)
     return runs
@@ -209,12 +209,6 @@ def _run_above(path: str, roots: set[str]) -> str | None:
     """The outermost of `roots` that holds `path` (a key, or a folder without its slash)."""
     parts = path.split("/")[:-1]
     return next((folder for i in range(len(parts) + 1) if (folder := "/".join(parts[:i])) in roots), None)
-
-
-def _step_of(name: str) -> int | None:
-    # ASCII digits only, the whole name: str.isdigit() also takes other scripts' digits.
-    match = re.fullmatch(r"step-([0-9]{8,})", name)
-    return int(match.group(1)) if match else None
 
 
 # -- the state of a run ---------------------------------------------------------------------------
@@ -228,7 +222,7 @@ def summarize(store: Store, run: RunFiles, bucket: str, stale_after: float) -> d
     newest = max(run.committed, default=None)
     meta = {}
     if newest is not None and progress.get("max_steps") is None:  # no trainer report: ask the checkpoint
-        manifest = store.read_json(f"{run.prefix}{CHECKPOINTS}/step-{newest:08d}/{MANIFEST}") or {}
+        manifest = store.read_json(f"{run.prefix}{CHECKPOINTS}/{checkpoint.step_dir_name(newest)}/{MANIFEST}") or {}
         meta = _mapping(manifest.get("meta"))
     heartbeat = _number(status.get("heartbeat_at"))
     attempts = [a for a in status.get("attempts") or [] if isinstance(a, dict)] \

@@ -1,0 +1,129 @@
+"""The S3 side of the checkpoint protocol, its pure parts: which steps retention removes, how a
+manifest read from S3 is judged, and the order of writes that keeps S3 from showing half a
+checkpoint as committed. The client below stands for the network only: it hands back given bodies
+and records requests; the code under test is remote_checkpoints itself."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import botocore.exceptions
+import pytest
+
+import checkpoint
+import remote_checkpoints
+import s3 as s3lib
+
+CKPTS = s3lib.Location("bucket", "runs/r/checkpoints/")
+SHA = "0" * 64
+GOOD = {"format": 1, "files": {"model.pt": {"size": 3, "sha256": SHA}}, "meta": {"step": 5}}
+
+
+def step(n: int) -> str:
+    return checkpoint.step_dir_name(n)
+
+
+def folder(n: int, *files: str, committed: bool = True) -> list[str]:
+    """The keys of one step folder, relative to checkpoints/."""
+    return [f"{step(n)}/{f}" for f in files + (("manifest.json",) if committed else ())]
+
+
+@pytest.mark.parametrize("listed, keep, ours, removed", [
+    ([], 3, set(), []),
+    (folder(1, "a") + folder(2, "a", committed=False), 1, set(), []),   # nothing committed: nothing goes
+    (folder(1, "a") + folder(2, "a") + folder(3, "a"), 2, set(), [1]),
+    (folder(1, "a") + folder(2, "a") + folder(3, "a"), 3, set(), []),
+    (folder(1, "a") + folder(2, "a") + folder(3, "a"), 0, set(), [1, 2]),  # at least the newest stays
+    (folder(1, "a") + folder(2, "a") + folder(3, "a"), -1, set(), [1, 2]),
+    (folder(1, "a") + folder(2, "a") + folder(3, "a"), 1, {1}, [2]),      # this pod's own line stays
+    (folder(1, "a") + folder(2, "a", committed=False) + folder(3, "a"), 2, set(), [2]),  # between kept ones
+    (folder(1, "a") + folder(2, "a", committed=False) + folder(3, "a"), 1, set(), [1, 2]),  # a dead upload
+    (folder(3, "a") + folder(4, "a", committed=False), 1, set(), []),    # newer than the newest: under way
+    (folder(1, "a") + folder(2, "a") + ["best/manifest.json", "best/a", "step-1/manifest.json",
+                                         "step-00000001x/a", "notes.txt"], 1, set(), [1]),  # not step folders
+    (folder(2, "a") + folder(1, "a") + folder(10, "a"), 1, set(), [1, 2]),  # by step, not listing order
+])
+def test_which_steps_retention_removes(listed, keep, ours, removed):
+    assert [name for name, _ in remote_checkpoints.to_prune(listed, keep, ours)] == [step(n) for n in removed]
+
+
+def test_a_pruned_step_goes_with_all_its_keys_and_nothing_else():
+    listed = folder(1, "a", "b") + folder(2, "a") + ["best/a", "step-00000001x/a"]
+    assert remote_checkpoints.to_prune(listed, 1, set()) == [
+        (step(1), ["step-00000001/a", "step-00000001/b", "step-00000001/manifest.json"])]
+
+
+class Network:
+    """Stands for S3 on the wire: GET answers from `bodies` (absent: NoSuchKey), writes are recorded."""
+
+    def __init__(self, bodies: dict[str, bytes] | None = None):
+        self.bodies, self.requests = bodies or {}, []
+
+    def get_object(self, Bucket, Key):
+        if Key not in self.bodies:
+            raise botocore.exceptions.ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")
+        return {"Body": io.BytesIO(self.bodies[Key]), "ETag": '"e"'}
+
+    def __getattr__(self, operation):  # put_object, upload_fileobj, copy, delete_object(s)
+        def record(*args, **kwargs):
+            key = kwargs.get("Key") or (args[2] if operation in ("upload_fileobj", "copy") else None)
+            self.requests.append((operation, key or [o["Key"] for o in kwargs["Delete"]["Objects"]]))
+        return record
+
+
+def no_retry(call, *args, **kwargs):
+    return call(*args, **kwargs)
+
+
+MANIFEST_KEY = CKPTS.key(step(5), "manifest.json")
+
+
+@pytest.mark.parametrize("body, judged, problem", [
+    (None, False, None),                                               # never committed
+    (b"{not json", False, "its manifest.json is not JSON"),
+    (b"[" * 100_000, False, "its manifest.json is not JSON"),          # deeper than the parser goes
+    (b" " * (s3lib.MAX_JSON_BYTES + 1), False, "larger than 16 MiB"),
+    (json.dumps(GOOD).encode(), True, None),
+    (b"[]", True, "does not list files with size and sha256"),
+    (json.dumps({**GOOD, "files": {}}).encode(), True, "does not list files"),
+    (json.dumps({**GOOD, "files": {"../x": GOOD["files"]["model.pt"]}}).encode(), True, "not a plain file name"),
+    (json.dumps({**GOOD, "format": 2}).encode(), True, "has format 2"),
+])
+def test_a_manifest_read_from_s3_is_judged_in_one_place(body, judged, problem):
+    network = Network({} if body is None else {MANIFEST_KEY: body})
+    manifest, found = remote_checkpoints.manifest_of(network, CKPTS, step(5), no_retry)
+    assert (manifest is not None) == judged, "a manifest comes back only when it parsed"
+    assert (found is None) == (problem is None) and (problem is None or problem in found), found
+
+
+def test_with_a_key_an_unsigned_manifest_does_not_count(monkeypatch):
+    monkeypatch.setenv(checkpoint.HMAC_KEY_ENV, "k")
+    network = Network({MANIFEST_KEY: json.dumps(GOOD).encode()})
+    assert "is not signed" in remote_checkpoints.manifest_of(network, CKPTS, step(5), no_retry)[1]
+    signed = {**GOOD, "hmac": checkpoint.manifest_hmac(GOOD, b"k")}
+    network = Network({MANIFEST_KEY: json.dumps(signed).encode()})
+    assert remote_checkpoints.manifest_of(network, CKPTS, step(5), no_retry) == (signed, None)
+
+
+def test_committed_lists_step_folders_newest_first():
+    names = ["step-00000002", "best", "step-00000010", "step-1", "step-00000001\n", "step-0000000١"]
+    assert remote_checkpoints.newest_first(names) == ["step-00000010", "step-00000002"]
+
+
+def test_files_go_up_first_and_the_manifest_last():
+    network = Network()
+    handles = {"a.pt": io.BytesIO(b"a"), "b.pt": io.BytesIO(b"b")}
+    remote_checkpoints.put_checkpoint(network, CKPTS, "best", handles, b"{}", no_retry, lambda _: None,
+                                      copies={"b.pt": CKPTS.key(step(5), "b.pt")})
+    assert network.requests == [("upload_fileobj", CKPTS.key("best", "a.pt")),
+                                ("copy", CKPTS.key("best", "b.pt")),
+                                ("put_object", CKPTS.key("best", "manifest.json"))]
+
+
+def test_a_pruned_step_is_uncommitted_before_its_files_go():
+    network = Network()
+    keys = folder(1, "a", "b")
+    remote_checkpoints.prune(network, CKPTS, step(1), keys, no_retry)
+    assert network.requests == [("delete_object", CKPTS.key(step(1), "manifest.json")),
+                                ("delete_objects", [CKPTS.key(step(1), "a"), CKPTS.key(step(1), "b")])]
