@@ -69,7 +69,7 @@ def test_sigkill_then_next_pod_resumes_from_newest_committed_step_and_completes(
     pod = run.start()
     uploaded = pod.wait_for_event("uploaded")["step"]
     step = random.Random(seed).randint(uploaded + 1, MAX_STEPS - 3)
-    pod.wait_for(f"step {step}/{MAX_STEPS}")
+    pod.wait_for_event("step", step=step)
     pod.lose_node()
     assert pod.wait() == 137
     committed = run.committed_steps()
@@ -87,13 +87,14 @@ def test_sigkill_then_next_pod_resumes_from_newest_committed_step_and_completes(
 
 def test_pod_deletion_leaves_a_checkpoint_of_the_current_step_in_s3(run):
     pod = run.start(TRAIN_ARGS="--set train.max_steps=2000 --set log.interval=1")
-    line = pod.wait_for("step 12/2000")
+    line = pod.wait_for_event("step", step=12)
     pod.delete()
     assert pod.wait() == 143, pod.output
     newest = run.committed_steps()[0]
     assert newest >= 12, newest
     assert run.verify_in_s3(f"step-{newest:08d}") is None
     assert "got SIGTERM" in pod.output and f"SIGTERM: step {newest} finished" in pod.output
+    assert [(e["signal"], e["step"]) for e in pod.events if e["event"] == "stopped"] == [("SIGTERM", newest)]
     status = run.json("status.json")
     assert status["state"] == "interrupted" and status["attempts"][-1]["exit_code"] == 143
     assert "lease.json" not in run.keys()
@@ -129,7 +130,7 @@ def test_checkpoint_in_s3_without_manifest_is_ignored(run, reference_sha):
 def test_stale_heartbeat_fails_the_liveness_probe_and_kills_the_pod(run, tmp_path):
     job = scaled_job_yaml(tmp_path, period=1, failure=2, grace=10)
     pod = run.start(job, HEALTH_MAX_AGE_SECONDS="15", TRAIN_ARGS="--set train.max_steps=100000 --set log.interval=1")
-    pod.wait_for("step 5/100000")
+    pod.wait_for_event("step", step=5)
     hung = trainer_pids(pod.pid1())
     assert hung
     assert "Liveness probe failed" not in pod.output, "a training pod with a fresh heartbeat must live"

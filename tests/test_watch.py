@@ -181,7 +181,7 @@ def watched(lab, done):
     run = Run(lab.s3, lab.endpoint, lab.folder / "live", name="live")  # code and data: done's
     pods, clocks, board = [run.start(TRAIN_ARGS=LIVE_ARGS)], [], None
     try:
-        pods[0].wait_for(f"step 5/{LIVE_MAX_STEPS}")
+        pods[0].wait_for_event("step", step=5)
         clocks.append(StepClock(pods[0]))
         board = TensorBoard(run.output_uri, "--reload_interval", "1", "--samples_per_plugin", "scalars=100000")
         board.wait_for_runs("live/tensorboard")
@@ -191,7 +191,7 @@ def watched(lab, done):
         logged = clocks[0].logged
         measured = [s for s, (at, _) in logged.items() if ready + 1 <= at <= window_end - SETTLE_SECONDS]
         lags = [served_at.get(s, window_end) - logged[s][0] for s in measured]
-        pods[0].wait_for("uploader: step-00000050 is in S3")  # for committed_step >= 50
+        pods[0].wait_for_event("uploaded", step=50)  # for committed_step >= 50
         status_json = status_of(RUNS, "--json")
         status_detail = status_of(run.output_uri)
         stale_now = status_of(RUNS, "--json", "--stale-after", "0")
@@ -199,8 +199,8 @@ def watched(lab, done):
 
         pods.append(run.start(TRAIN_ARGS=LIVE_ARGS))
         clocks.append(StepClock(pods[1]))
-        resumed = int(pods[1].wait_for("train: resumed from step-").split("step-")[1][:8])
-        pods[1].wait_for(f"step {resumed + 20}/{LIVE_MAX_STEPS}")
+        resumed = pods[1].wait_for_event("resumed", source="train")["step"]
+        pods[1].wait_for_event("step", step=resumed + 20)
         served_while_next_pod_trained = wait_for_step(board, "live/tensorboard", resumed + 20)
         exit_codes.append(stop(pods[1], clocks[1]))
         logged = {**clocks[0].logged, **clocks[1].logged}
