@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Run an Indexed Job's pods side by side, locally, under the Job controller's rules.
+"""Run an Indexed Job's pods side by side, locally, under the Job controller's rules (and a
+JobSet's or a PyTorchJob's, under their controllers').
 
 Usage:
     python lab/local_job.py [--env KEY=VALUE]... [--keep-volumes DIR] [--configmap NAME=DIR]... MANIFEST
@@ -35,8 +36,36 @@ suspend, podReplacementPolicy TerminatingOrFailed, pod-level scheduling (every p
 a replacement's new IP (index i keeps 127.0.0.(10+i); in a cluster the new pod gets a new address
 and DNS follows it), ttlSecondsAfterFinished. The pods share the host's network: see local_pod.py.
 
-Exit status of the command: 0 when the Job is Complete, 1 when it Failed, 64 for bad input.
-Needs root, as local_pod.py does. Python API: IndexedJob (see its docstring).
+A JobSet or a PyTorchJob in the stream (`submit.py ... --engine jobset|pytorchjob`) is run by its
+own controller, modelled from the sources named at each (JobSet v0.10.1, training-operator v1.9.0):
+
+- JobSet (JobSetRun): its one replicatedJob's child Job <jobset>-<replicatedJob>-0, run as above
+  (pods <jobset>-<replicatedJob>-0-<i>, subdomain the JobSet's name as enableDNSHostnames gives
+  it, the JobSet's labels and annotations on the pods, jobset.sigs.k8s.io/restart-attempt among
+  them). When the child Job fails (its reason and message as the Job controller words them:
+  PodFailurePolicy "... failed with exit code 64 matching FailJob rule at index 1" / "... has
+  condition DisruptionTarget matching FailJob rule at index 0", or BackoffLimitExceeded), the
+  failurePolicy rules are matched in order (onJobFailureReasons, onJobFailureMessagePatterns as
+  regular expressions, targetReplicatedJobs); FailJobSet fails the JobSet, RestartJobSet (the
+  default) and RestartJobSetAndIgnoreMaxRestarts create the child Job again, restart-attempt + 1,
+  the first counted: past maxRestarts the JobSet fails (ReachedMaxRestarts). The JobSet is
+  Completed when its child Job is. Not modelled: more replicatedJobs or replicas, successPolicy
+  other than All, startupPolicy, coordinator, dependsOn, suspend, ttlSecondsAfterFinished.
+- PyTorchJob (PyTorchJobRun): pods <job>-master-0 and <job>-worker-<k> (hostnames; each name
+  resolves, as the operator's headless Service per pod makes it), the env the operator appends
+  (PYTHONUNBUFFERED, MASTER_ADDR/PORT and PET_MASTER_ADDR/PORT, WORLD_SIZE = pods x nprocPerNode,
+  RANK = PET_NODE_RANK, PET_NPROC_PER_NODE, PET_NNODES), restartPolicy ExitCode (a pod exiting
+  128 or more is recreated alone, without limit; any other non-zero code fails the job) or Never,
+  success when the Master succeeds, cleanPodPolicy (None, the default, leaves the other pods to
+  end by themselves). Not modelled: the Worker's init container (nslookup of the Master until it
+  resolves) and that the per-pod Service publishes a pod's name only once it is Ready (no
+  publishNotReadyAddresses): here every name resolves from the start; OnFailure/Always,
+  runPolicy.backoffLimit and activeDeadlineSeconds, elasticPolicy, gang scheduling; the pod's
+  metadata.name carries the runner's 5-character suffix (its hostname is exact).
+
+Exit status of the command: 0 when the Job is Complete (a JobSet Completed, a PyTorchJob
+Succeeded), 1 when it Failed, 64 for bad input. Needs root, as local_pod.py does. Python API:
+IndexedJob, JobSetRun, PyTorchJobRun (see their docstrings); controller_for() picks by the stream.
 """
 
 from __future__ import annotations

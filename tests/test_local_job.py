@@ -415,3 +415,20 @@ def test_pytorchjob_clean_pod_policy_running_deletes_the_others(tmp_path, jobs, 
     plan_now(shared, 1, 1, 64)
     assert job.wait(40) == ("Failed", "PyTorchJobFailed")
     assert job.history == [(1, 64, "failed"), (0, 143, "terminated")]
+
+
+def test_command_line_runs_a_jobset_and_a_pytorchjob_by_their_kind(tmp_path, shared):
+    plan(shared, plan_0_0=0, plan_1_0=0)
+    result = subprocess.run([sys.executable, str(ROOT / "lab" / "local_job.py"),
+                             str(write_jobset(tmp_path, shared, max_restarts=0))],
+                            capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert "JobSet demo Completed: AllJobsCompleted" in result.stderr
+    started = sorted(line.split("] ")[1].split(" host")[0] for line in result.stdout.splitlines() if "] index" in line)
+    assert started == ["index 0 attempt 0", "index 1 attempt 0"]
+    plan_now(shared, 0, 1, 0)
+    plan_now(shared, 1, 1, 0)
+    result = subprocess.run([sys.executable, str(ROOT / "lab" / "local_job.py"),
+                             str(write_pytorchjob(tmp_path, shared))], capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert "PyTorchJob demo Succeeded: PyTorchJobSucceeded" in result.stderr

@@ -141,3 +141,17 @@ def test_pytorchjob_a_lost_worker_is_recreated_alone_the_master_follows_and_the_
     assert job.restarts == 2 and [job.attempts(0), job.attempts(1)] == [2, 2], job.history
     assert job.pod(0).wait_for_event("resumed", timeout=5)["step"] > 0, "resumed from S3, not from step 0"
     assert_trained_to_the_end(group_run, model)
+
+
+def test_jobset_a_preempted_pod_restarts_the_group_without_counting_it(group_run, groups, tmp_path):
+    model = reference(group_run, tmp_path / "reference")
+    jobset = start(group_run, "jobset")
+    groups.append(jobset)
+    jobset.pod(0).wait_for_event("uploaded", timeout=300)
+    jobset.delete(1)  # a preemption of pod 1's node: DisruptionTarget, SIGTERM
+    state = jobset.wait(timeout=600)
+    print(f"\nJobSet preemption: failures {jobset.failures}; history {jobset.history}")
+    assert state == ("Completed", "AllJobsCompleted"), (jobset.failures, jobset.history)
+    assert jobset.restarts == 1
+    assert_trained_to_the_end(group_run, model)
+    assert jobset.counted_restarts == 0, f"a preemption counted against maxRestarts: {jobset.failures}"
