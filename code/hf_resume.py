@@ -295,7 +295,7 @@ class CommitCallback(TrainerCallback):
             checkpoint.prune(self.root, self.keep)
             nbytes = sum(p.stat().st_size for p in final.iterdir())
             log(f"checkpoint {final.name} committed: {nbytes / 1e6:.1f} MB in {time.monotonic() - started:.2f}s")
-            if not already:  # the Trainer saves writes synchronously: training waited for all of it
+            if not already:  # the Trainer saves synchronously: training waited for all of it
                 seconds = round(time.monotonic() - requested, 3)
                 event("checkpoint", step=state.global_step, name=final.name, state="committed", seconds=seconds,
                       blocked_seconds=seconds, bytes=nbytes)

@@ -96,7 +96,8 @@ class Pod:
         return "".join(self.lines)
 
     def wait_for(self, text: str, timeout: float = 120) -> str:
-        """Block until a line containing `text` appears; return it."""
+        """Block until a line containing `text` appears; return it. For what a person reads; to wait
+        for a moment (a step, a checkpoint, the pod's phases) use wait_for_event: prose may change."""
         for line in self.lines:
             if text in line:
                 return line

@@ -19,7 +19,7 @@ pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate 
 
 import checkpoint  # noqa: E402
 from finetune_lab import make_jsonl, make_snapshot  # noqa: E402
-from helpers import CODE, VENV_BIN, run_until, sha256, train_env  # noqa: E402
+from helpers import CODE, VENV_BIN, events_of, on_event, run_until, sha256, train_env  # noqa: E402
 
 MAX_STEPS = 20
 INTERVAL = 5
@@ -99,7 +99,7 @@ def kill_and_restart_until_done(cmd: list[str], seed: int, kills: int) -> list[s
     outputs, killed = [], 0
     for _ in range(kills):
         step = rng.randint(INTERVAL + 1, MAX_STEPS - 4)  # after the first checkpoint: a restart resumes
-        code, output = run_until(cmd, stop_when=f"step {step}/{MAX_STEPS}", delay=rng.uniform(0, 0.03))
+        code, output = run_until(cmd, stop_when=on_event("step", step=step), delay=rng.uniform(0, 0.03))
         outputs.append(output)
         assert code in (-signal.SIGKILL, 0), output
         killed += code == -signal.SIGKILL
@@ -140,18 +140,22 @@ def test_sigterm_commits_the_current_step_exits_143_and_no_step_is_redone(tmp_pa
                                                                            reference_lora):
     out = tmp_path / "out"
     cmd = command(lab, out, "lora", nproc)
-    code, output = run_until(cmd, stop_when=f"step 7/{MAX_STEPS}", send=sig)
+    code, output = run_until(cmd, stop_when=on_event("step", step=7), send=sig)
     if nproc == 1:  # torchrun reports its own code for a signalled worker
         assert code == 128 + sig, output
     stopped_at = int(re.search(rf"{sig.name}: step (\d+) finished", output).group(1))
     steps = [s for s, _ in checkpoint.committed_steps(out / "checkpoints")]
     assert steps[0] == stopped_at >= 7, (steps, stopped_at)  # the step it stopped at, committed
     assert not list(out.glob("checkpoint-*")), "a Trainer folder was left behind"
+    assert [(e["signal"], e["step"]) for e in events_of(output, "stopped")] == [(sig.name, stopped_at)]  # rank 0's
     code, output = run_until(cmd)
     assert code == 0, output
     assert f"resuming from {checkpoint.step_dir_name(stopped_at)}" in output
-    trained = [int(s) for s in re.findall(rf"step (\d+)/{MAX_STEPS} \|", output)]
+    (resumed,) = events_of(output, "resumed")
+    assert (resumed["step"], resumed["name"]) == (stopped_at, checkpoint.step_dir_name(stopped_at))
+    trained = [e["step"] for e in events_of(output, "step")]
     assert trained[0] == stopped_at + 1, trained  # nothing redone
+    assert [e["step"] for e in events_of(output, "done")] == [MAX_STEPS]
     if nproc == 1:
         assert sha256(final_weights(out, "lora")) == sha256(final_weights(reference_lora, "lora"))
 
@@ -296,10 +300,10 @@ def test_a_plain_trainer_script_with_the_four_lines_resumes_exactly(tmp_path, la
     code, output = run_until(cmd(tmp_path / "reference"), env=env)
     assert code == 0, output
     out = tmp_path / "out"
-    code, output = run_until(cmd(out), stop_when=f"step 8/{MAX_STEPS}", send=signal.SIGTERM, env=env)
+    code, output = run_until(cmd(out), stop_when=on_event("step", step=8), send=signal.SIGTERM, env=env)
     assert code == 143, output
     stopped_at = int(re.search(r"SIGTERM: step (\d+) finished", output).group(1))
-    code, output = run_until(cmd(out), stop_when=f"step {stopped_at + 2}/{MAX_STEPS}", env=env)
+    code, output = run_until(cmd(out), stop_when=on_event("step", step=stopped_at + 2), env=env)
     assert code == -signal.SIGKILL, output
     code, output = run_until(cmd(out), env=env)
     assert code == 0 and "resuming from step-" in output, output
