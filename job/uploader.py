@@ -559,8 +559,8 @@ def _seconds_setting(name: str, default: str) -> float:
 def _state_for(exit_code: int) -> str:
     if exit_code == 0:
         return "completed"
-    if exit_code in (contract.EXIT_SIGINT, contract.EXIT_SIGTERM):
-        return "interrupted"
+    if exit_code in (contract.EXIT_SIGINT, contract.EXIT_SIGTERM, contract.EXIT_PEER_LOST):
+        return "interrupted"  # 138: a group stopped for a peer's sake, this pod did nothing wrong
     return "failed"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import checkpoint
+import s3 as s3lib
 from podlab import BUCKET, ROOT, wait_until
 from s3_fault_proxy import FaultProxy
 
@@ -123,3 +125,35 @@ def test_watcher_whose_lease_is_taken_stops_writing_and_stops_the_pod(s3, s3_end
     assert "another pod (other-pod/1234) holds the lease" in output, output
     lease = json.loads(s3.get_object(Bucket=BUCKET, Key="runs/taken/lease.json")["Body"].read())
     assert lease["holder"] == "other-pod/1234", "the usurper's lease was overwritten"
+
+
+def test_best_of_a_step_already_in_s3_is_copied_inside_s3_and_its_manifest_goes_last(s3, s3_endpoint, tmp_path,
+                                                                                      monkeypatch):
+    from uploader import Uploader  # in this process: its requests are counted here
+
+    out, uri = tmp_path / "out", f"s3://{BUCKET}/runs/best/"
+    commit(out, 5)
+    shutil.copytree(out / "checkpoints" / "step-00000005", out / "checkpoints" / "best")  # the trainer's link
+    env = uploader_env(tmp_path, s3_endpoint)
+    take_lease(env, uri)
+    monkeypatch.setenv("STATE_DIR", env["STATE_DIR"])
+    uploader = Uploader(s3lib.Location.parse(uri), out, retry_seconds=10)
+    uploader.hold_lease()
+    writes = []
+
+    def count(params, model, **_):
+        if model.name in ("PutObject", "CopyObject"):
+            writes.append((model.name, params.get("Key")))
+
+    uploader.s3.meta.events.register("before-parameter-build.s3", count)
+    try:
+        uploader.sync_checkpoints()
+    finally:
+        uploader.keeper.stop()
+    ckpts = "runs/best/checkpoints/"
+    assert writes == [("PutObject", ckpts + "step-00000005/model.pt"),
+                      ("PutObject", ckpts + "step-00000005/manifest.json"),
+                      ("CopyObject", ckpts + "best/model.pt"),  # no byte of it goes up again
+                      ("PutObject", ckpts + "best/manifest.json")]
+    model = (out / "checkpoints" / "best" / "model.pt").read_bytes()
+    assert s3.get_object(Bucket=BUCKET, Key=ckpts + "best/model.pt")["Body"].read() == model
