@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import checkpoint
-from helpers import final_model, run_until, sha256, train_command, train_env, write_config, write_corpus
+from helpers import final_model, on_event, run_until, sha256, train_command, train_env, write_config, write_corpus
 from podlab import wait_until
 
 MAX_STEPS = 40
@@ -180,8 +180,8 @@ def test_sigterm_to_the_process_group_while_the_save_process_starts_does_not_kil
     # torchrun stops a worker with SIGTERM to its process group, the save process included; at the
     # first step the save process is still importing torch, before it could ignore the signal.
     out = tmp_path / "out"
-    code, output = run_until(train_command(tiny_config, corpus, out), stop_when="step 1/", send=signal.SIGTERM,
-                             group=True)
+    code, output = run_until(train_command(tiny_config, corpus, out), stop_when=on_event("step", step=1),
+                             send=signal.SIGTERM, group=True)
     assert code == 143, output
     assert "save process died" not in output, output
     stopped_at = int(re.search(r"SIGTERM: step (\d+) finished", output).group(1))

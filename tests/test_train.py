@@ -58,7 +58,7 @@ def kill_and_restart_until_done(command, seed: int, kills: int) -> list[str]:
     outputs = []
     for _ in range(kills):
         step = rng.randint(2, MAX_STEPS - 2)
-        code, output = run_until(command, stop_when=f"step {step}/", delay=rng.uniform(0, 0.05))
+        code, output = run_until(command, stop_when=on_event("step", step=step), delay=rng.uniform(0, 0.05))
         outputs.append(output)
         assert code in (-signal.SIGKILL, 0), output
     code, output = run_until(command)
