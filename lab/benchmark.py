@@ -1,5 +1,17 @@
 """Figures for the README, measured on this machine, as ratios within one run where it matters.
 
+    sudo .venv/bin/python lab/benchmark.py all --json F [--quick] [--only PART]...  # every figure
+
+all: every key of lab/bench_report.py's KEYS, each beside its floor measured in the same run, as one
+JSON object ({key: {value, unit, floor, ratio, aim, meets_aim, how, detail}}, machine, started_at),
+in four parts: transfer (lab/bench_transfer.py: restore and upload against s5cmd, the disk, plain
+GETs and s3torchconnector; the watcher's lag), stall (checkpoint_stall below), pod
+(lab/bench_pod.py: SIGTERM to exit, pod start to the first resumed step, SIGKILL to training) and
+growth (lab/bench_growth.py: bytes and requests per upload interval). --quick: a 100 MB checkpoint,
+3 repetitions, small models (about 4 minutes on 2 loaded cores); full: 1.5 GB, 5 repetitions, the
+stall model below and a pod of GPT-2 124M's shape. A part that fails leaves its keys null with the
+reason in `how`; the others still run.
+
     .venv/bin/python lab/benchmark.py checkpoint        # GPT-2 124M: save, verify, load
     sudo .venv/bin/python lab/benchmark.py restart      # a pod's restart: phases vs. bytes
     .venv/bin/python lab/benchmark.py checkpoint_stall  # tokens/s with checkpoints over without
