@@ -35,7 +35,8 @@
 #   RDZV_TIMEOUT_SECONDS   900                      how long a node waits for the others to be there (>= 10)
 # The node rank (NNODES > 1): JOB_COMPLETION_INDEX (Indexed Job, JobSet), else PET_NODE_RANK, else
 # RANK (PyTorchJob). Node 0 alone takes the lease, uploads and writes COMPLETE; every node restores
-# the step node 0 chose. A node that loses a peer mid-run exits 138 so the whole group restarts.
+# the step node 0 chose. A node that loses a peer mid-run exits 138 so the whole group restarts; so
+# does one stopped by a peer's SIGTERM (after the group committed its step; that peer exits 143).
 # Read as they are: AWS credentials and AWS_DEFAULT_REGION (the Secret or an IAM role), HOSTNAME
 # (the pod's name in logs and the lease), PIP_* (pip), PYTHONPATH (the runtime's folder is added).
 # Set here for the helpers: CODE_DIR, STATE_DIR, LOG_FILE, TORCHELASTIC_ERROR_FILE, PYTHONUNBUFFERED,
@@ -44,7 +45,8 @@
 #
 # Exit codes: 0 done (COMPLETE written), 64 bad input (the Job must not retry), 75 S3 or the
 # package index unreachable, or the group never met (a retry may pass), 138 a peer of the group
-# was lost (the Job restarts the group, uncounted), 143 after SIGTERM (130 SIGINT), else the trainer's.
+# was lost or stopped (the Job restarts the group, uncounted), 143 after SIGTERM (130 SIGINT), else
+# the trainer's.
 # job/contract.py is the contract: these codes and who decides each, the files a trainer shares with
 # the runtime, and the EVENT lines (event below) that tools read instead of the prose.
 # shellcheck disable=SC2329 # most functions run indirectly: through phase, traps and run_child
@@ -749,7 +751,10 @@ run_trainer() {
   message=${report#*$'\n'}
   [[ -z "${worker}" ]] || code=${worker}
   if ((code == EXIT_SIGTERM || code == EXIT_SIGINT)); then
-    log "a node of the group got SIG$( ((code == EXIT_SIGINT)) && echo INT || echo TERM): the group committed its step and stops"
+    # Not this pod's signal but a peer's (a preemption of its node): 138, which the Job does not
+    # count, where 143 would use up one of its retries for every preemption of another pod.
+    log "another node of the group got SIG$( ((code == EXIT_SIGINT)) && echo INT || echo TERM): the group committed its step and stops (exit ${EXIT_PEER_LOST})"
+    code=${EXIT_PEER_LOST}
   elif ((code == EXIT_PEER_LOST)); then
     log "a node of the group was lost (exit ${EXIT_PEER_LOST}): every pod stops and the group resumes from the newest checkpoint in S3"
   elif ((code == EXIT_UNAVAILABLE)); then
@@ -783,7 +788,7 @@ finish() {
     "${PYTHON}" "${JOB_DIR}/uploader.py" final "${S3_OUTPUT_URI}" "${OUTPUT_DIR}" "${code}" || upload=$?
     log "final upload: done in $(elapsed_since "${started}") (exit ${upload})"
     event phase name="final upload" state=done seconds="$(seconds_since "${started}")" exit="${upload}"
-    if ((upload != 0)) && ((code == EXIT_DONE || code == EXIT_SIGINT || code == EXIT_SIGTERM)); then
+    if ((upload != 0)) && ((code == EXIT_DONE || code == EXIT_SIGINT || code == EXIT_SIGTERM || code == EXIT_PEER_LOST)); then
       code=${upload}
     fi
     stop_heartbeat
