@@ -882,7 +882,8 @@ class PyTorchJobRun:
                           # i = node rank: 0 the Master, 1 + k Worker k
         job.history       # [(i, exit_code, verdict)], verdict succeeded/restart/failed/terminated
         job.restarts      # pods recreated
-        job.wait(timeout) # ("Succeeded" | "Failed", reason), once no pod runs
+        job.outcome       # ("Succeeded" | "Failed", reason) once decided, else None
+        job.wait(timeout) # the same, once no pod runs
         job.stop(grace)
 
     Pod i is named <job>-master-0 or <job>-worker-k (its hostname and HOSTNAME; the runner adds
@@ -1002,6 +1003,12 @@ class PyTorchJobRun:
     def delete(self, index: int) -> None:
         """Delete pod index's current pod (SIGTERM, SIGKILL after its grace), as a preemption."""
         self.pod(index).delete(disruption=True)
+
+    @property
+    def outcome(self) -> tuple[str, str] | None:
+        """The PyTorchJob's terminal condition as soon as the operator sets it, while pods that
+        cleanPodPolicy None leaves may still run (wait() waits for them too)."""
+        return self._ending
 
     def wait(self, timeout: float = 300) -> tuple[str, str]:
         if not self._finished.wait(timeout) or self.condition is None:
