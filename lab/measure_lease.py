@@ -16,7 +16,6 @@ S3, and whether the lease was ever lost.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import tempfile
 import time
@@ -27,13 +26,12 @@ from podlab import Run, local_s3
 import contract  # noqa: E402 - on the path podlab set: the trainer's events, not its prose
 
 LONG = "--set train.max_steps=100000 --set log.interval=1"
-WAITED = re.compile(r"waited ([0-9.]+)s")
 
 
 def kill_to_training(s3, endpoint: str, folder: Path, ttl: int) -> tuple[float, float]:
     run = Run(s3, endpoint, folder / f"ttl-{ttl}", name=f"ttl-{ttl}").stage()
     pod = run.start(LEASE_TTL_SECONDS=str(ttl), TRAIN_ARGS=LONG)
-    pod.wait_for("uploader: step-", timeout=300)
+    pod.wait_for_event("uploaded", timeout=300)
     return restart_after_lost_node(run, pod, ttl)
 
 
@@ -52,7 +50,7 @@ def restart_after_lost_node(run: Run, pod, ttl: int, train_args: str = LONG,
         else:
             first_resumed_step(second, ttl + 300)
         took = time.monotonic() - killed
-        waited = float(WAITED.search(second.wait_for("holding the lease")).group(1))
+        waited = second.wait_for_event("lease", state="held")["waited"]
     finally:
         second.delete()
         second.wait()
@@ -67,7 +65,7 @@ def outage(s3, endpoint: str, folder: Path, ttl: int) -> dict:
         run.endpoint = proxy.url
         pod = run.start(LEASE_TTL_SECONDS=str(ttl), S3_RETRY_SECONDS="600",
                         TRAIN_ARGS="--set train.max_steps=1500 --set log.interval=20")
-        pod.wait_for("uploader: step-", timeout=300)
+        pod.wait_for_event("uploaded", timeout=300)
         trained_before, committed_before = _steps(pod.output), run.committed_steps()[0]
         proxy.configure(outage=True, outage_seconds=120)
         started = time.monotonic()
