@@ -234,8 +234,9 @@ def measure_restart(s3, endpoint: str) -> None:
 PARTS = ("transfer", "stall", "pod", "growth")
 
 
-def bench_all(quick: bool, only: list[str]) -> dict[str, dict]:
-    """Every figure of bench_report.KEYS, each beside its floor measured here, now."""
+def bench_all(quick: bool, only: list[str], after_each=lambda figures: None) -> dict[str, dict]:
+    """Every figure of bench_report.KEYS, each beside its floor measured here, now; `after_each(figures)`
+    once a part is done (the JSON so far survives a run stopped later)."""
     import boto3
 
     import bench_report
@@ -255,6 +256,7 @@ def bench_all(quick: bool, only: list[str]) -> dict[str, dict]:
                 for key in PART_KEYS[part]:
                     figures.setdefault(key, bench_report.unmeasured(key, reason))
             print(f"   {part} took {time.monotonic() - started:.0f} s", flush=True)
+            after_each(figures)
     return figures
 
 
@@ -324,10 +326,13 @@ def run_all(args) -> int:
     import bench_report
 
     load, started_at, started = os.getloadavg(), time.time(), time.monotonic()
-    figures = bench_all(args.quick, args.only or list(PARTS))
-    result = bench_report.report(figures, load, started_at, time.monotonic() - started, args.quick)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    def write(figures: dict) -> dict:
+        result = bench_report.report(figures, load, started_at, time.monotonic() - started, args.quick)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return result
+
+    result = write(bench_all(args.quick, args.only or list(PARTS), write))
     for key in bench_report.KEYS:
         entry = result[key]
         print(f"{key:<46} {entry['value']!s:>10} {entry['unit']:<8} floor {entry['floor']!s:>10} "
