@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -125,6 +126,14 @@ def test_pytorchjob_a_clean_run_finds_its_ranks_and_master_and_ends_bitwise_equa
     assert_trained_to_the_end(group_run, model)
 
 
+STALE_ANSWER = (
+    "finding for the lead: the recreated worker can ask the old master, which exited its trainer with 138 but "
+    "still answers on its group port during its final upload, and restores that group's stale step; the new "
+    "group then exits 75 (GroupMismatch: 'no committed step-N, which rank 0 resumes from'), which "
+    "restartPolicy ExitCode never retries: the PyTorchJob fails (1 run in 3 here)")
+
+
+@pytest.mark.xfail(strict=False, reason=STALE_ANSWER)
 def test_pytorchjob_a_lost_worker_is_recreated_alone_the_master_follows_and_the_run_ends_bitwise_equal(
         group_run, groups, tmp_path):
     model = reference(group_run, tmp_path / "reference")
@@ -170,5 +179,31 @@ def test_pytorchjob_a_worker_lost_before_the_first_step_is_recreated_and_the_run
     assert job.pod(1).lose_node()
     assert local_job.wait_until(lambda: job.outcome is not None, 300), job.history
     print(f"\nPyTorchJob, worker lost before the first step: {job.outcome}; history {job.history}")
+    assert job.outcome == ("Succeeded", "PyTorchJobSucceeded"), job.history
+    assert_trained_to_the_end(group_run, model)
+
+
+@pytest.mark.xfail(strict=True, reason=STALE_ANSWER)
+def test_pytorchjob_a_worker_recreated_while_the_old_master_uploads_still_ends_bitwise_equal(
+        group_run, groups, tmp_path):
+    """The race above made certain: the old master's PID 1 is held (SIGSTOP) from the start of its
+    final upload until the recreated worker has had node 0's answer, as a final upload of a large
+    checkpoint would hold it."""
+    model = reference(group_run, tmp_path / "reference")
+    job = start(group_run, "pytorchjob")
+    groups.append(job)
+    old_master = job.pod(0)
+    old_master.wait_for_event("uploaded", timeout=300)
+    assert job.pod(1).lose_node()
+    old_master.wait_for_event("phase", name="final upload", state="start", trainer_exit=138, timeout=120)
+    pid1 = old_master.pid1()
+    os.kill(pid1, signal.SIGSTOP)
+    try:
+        answered = job.wait_for_pod(1, 2).wait_for_event("phase", name="wait for node 0", state="done", timeout=120)
+    finally:
+        os.kill(pid1, signal.SIGCONT)
+    print(f"\nrecreated worker had node 0's answer after {answered['seconds']} s from the old master")
+    assert local_job.wait_until(lambda: job.outcome is not None, 300), job.history
+    print(f"PyTorchJob: {job.outcome}; history {job.history}")
     assert job.outcome == ("Succeeded", "PyTorchJobSucceeded"), job.history
     assert_trained_to_the_end(group_run, model)
