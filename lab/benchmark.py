@@ -35,6 +35,7 @@ that restart with the time `aws s3 cp --recursive` takes to move the same checkp
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -90,7 +91,7 @@ def bench_checkpoint() -> None:
 STALL_MODEL = {"model__n_layer": 6, "model__n_head": 12, "model__n_embd": 768, "model__block_size": 64,
                "model__vocab_size": 256, "model__dropout": 0.0, "train__batch_size": 1,
                "train__grad_accum_steps": 1, "train__warmup_steps": 1, "log__interval": 1, "checkpoint__keep": 2}
-# --quick: 4 layers of 384 (a ~90 MB checkpoint), 2 saves in the window: the method, not the 500 MB figure.
+# --quick: 4 layers of 384 (a ~90 MB checkpoint), 3 saves in the window: the method, not the 500 MB figure.
 STALL_MODEL_QUICK = {**STALL_MODEL, "model__n_layer": 4, "model__n_head": 6, "model__n_embd": 384}
 STALL_SHARE = 0.2  # of an interval that a synchronous save takes
 STALL_SAVES = 4  # saves inside the measured window
@@ -100,12 +101,13 @@ def bench_checkpoint_stall(quick: bool = False) -> dict:
     """tokens/s of the runs with no checkpoint, sync and async saves, and what the model was."""
     from podlab import write_config, write_corpus
 
-    model, saves = (STALL_MODEL_QUICK, 2) if quick else (STALL_MODEL, STALL_SAVES)
+    model, saves = (STALL_MODEL_QUICK, 3) if quick else (STALL_MODEL, STALL_SAVES)
     folder = Path(tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR")))
     data = write_corpus(folder / "data")
     step_s, save_s, size = calibrate_stall(folder, model)
-    # --quick: at least 4 steps an interval, so that the window is more than a handful of steps.
-    every = max(4 if quick else 2, round(save_s / STALL_SHARE * (1 - STALL_SHARE) / step_s))
+    every = max(2, round(save_s / STALL_SHARE * (1 - STALL_SHARE) / step_s))
+    if quick:  # intervals of 3 s at least: a window of a few seconds is all noise on a shared machine
+        every = max(every, math.ceil(3.0 / step_s))
     last = every * (saves + 1) + 1
     shape = f"{model['model__n_layer']} layers of {model['model__n_embd']}"
     print(f"model: {shape}, checkpoint {size / 1e6:.0f} MB; a step {step_s:.2f}s, a synchronous save "
@@ -140,6 +142,7 @@ def calibrate_stall(folder: Path, model: dict = STALL_MODEL) -> tuple[float, flo
 
     cfg = config.load(write_config(folder / "calibration.yaml", **model))
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # as window_speed's trainer runs
     model = GPT(cfg.model)
     optimizer = model.make_optimizer(0.1, 6e-4, (0.9, 0.95), "cpu")
     x = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.block_size))
@@ -169,7 +172,9 @@ def window_speed(cfg: Path, data: Path, out: Path, first: int, last: int) -> flo
     tokens_per_step = config.load(cfg).tokens_per_step
     command = [sys.executable, str(ROOT / "code" / "train.py"), "--config", str(cfg), "--data_dir", str(data),
                "--output_dir", str(out)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # One thread, as the pod runs it: two OpenMP threads wait on the slower one whenever another
+    # process takes a core, and a step here swings from 60 ms to 2 s.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     seen = {}
     lines = []
@@ -271,7 +276,7 @@ def stall_figures(_s3, _endpoint: str, _folder: Path, quick: bool) -> dict[str, 
 
     result = bench_checkpoint_stall(quick)
     speeds = result["speeds"]
-    how = (f"train.py ({result['shape']}, a {result['size'] / 1e6:.0f} MB checkpoint) tokens/s over steps "
+    how = (f"train.py ({result['shape']}, a {result['size'] / 1e6:.0f} MB checkpoint, one thread) tokens/s over steps "
            f"{result['every']}..{result['every'] * (result['saves'] + 1)} with a checkpoint every {result['every']} "
            f"steps ({result['saves']} saves, a sync save of {result['save_s']:.2f} s, {result['share']:.0%} of an interval) over the "
            f"same run with none ({speeds['none']:.0f} tokens/s)")
