@@ -78,10 +78,12 @@ HEARTBEAT_PID=""
 TEE_PID=""
 GROUP_SERVER_PID=""
 RESTORE_STEP=""
+NODE0_GONE_SECONDS=30  # node 0 silent this long after training: it died in its final upload
 LEASE_HELD=0
 COMPLETE_FOUND=0
 PYTHON=python3
 STARTED_MS=$(date +%s%3N)
+POD_TOKEN=${RANDOM}${RANDOM}-${STARTED_MS}  # this pod, to node 0: a replacement of a node has another
 
 log() { printf '%s script: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*"; }
 warn() { log "warning: $*" >&2; }
@@ -684,13 +686,23 @@ announce_complete() {
 wait_for_node0() {
   local answer="${STATE_DIR}/group-step" code=0
   run_child --output "${answer}" python3 "${JOB_DIR}/group.py" wait "${RDZV_HOST}:${GROUP_PORT}" \
-    "${S3_OUTPUT_URI}" "${RDZV_TIMEOUT_SECONDS}" || code=$?
+    "${S3_OUTPUT_URI}" "${RDZV_TIMEOUT_SECONDS}" "${NODE_RANK}" "${POD_TOKEN}" || code=$?
   case "${code}" in
     0) RESTORE_STEP=$(head -n 1 "${answer}") ;;
     "${EXIT_COMPLETE_FOUND}") log "node 0 found ${S3_OUTPUT_URI}COMPLETE: nothing to do"; exit "${EXIT_DONE}" ;;
     *) die "${code}" "$(tail -n 1 "${answer}")" ;;
   esac
   log "node 0 chose ${RESTORE_STEP:-step 0}"
+}
+
+# A node k that trained well stays until node 0 has written COMPLETE: should node 0 die in its
+# final upload, this pod must fail too (138) for the whole group to come back.
+wait_for_node0_finish() {
+  local answer="${STATE_DIR}/group-finish" code=0
+  python3 "${JOB_DIR}/group.py" finish "${RDZV_HOST}:${GROUP_PORT}" "${S3_OUTPUT_URI}" "${NODE0_GONE_SECONDS}" \
+    >"${answer}" 2>&1 || code=$?
+  ((code == 0)) || log "$(tail -n 1 "${answer}")"
+  return "${code}"
 }
 
 restore_chosen_step() {
@@ -776,7 +788,6 @@ finish() {
   # lease.py may have taken the lease and been stopped before it could say so.
   [[ ! -f "${STATE_DIR:-/nonexistent}/${LEASE_STATE}" ]] || LEASE_HELD=1
   stop_heartbeat
-  stop_group_server
   [[ -z "${TRAINER_PID}" ]] || kill -s TERM "${TRAINER_PID}" 2>/dev/null || true
   if ((LEASE_HELD)); then
     start_heartbeat
@@ -791,8 +802,10 @@ finish() {
     if ((upload != 0)) && ((code == EXIT_DONE || code == EXIT_SIGINT || code == EXIT_SIGTERM || code == EXIT_PEER_LOST)); then
       code=${upload}
     fi
+    ((code != EXIT_DONE)) || announce_complete  # the other nodes wait for this before they end
     stop_heartbeat
   fi
+  stop_group_server
   log "exit ${code} after $(elapsed_since "${STARTED_MS}")"
   event exit code="${code}" seconds="$(seconds_since "${STARTED_MS}")"
   # When PID 1 exits every other process in the container dies: let tee write its last lines first.
@@ -839,6 +852,10 @@ main() {
 
   local code=0
   run_trainer || code=$?
+  if ((code == EXIT_DONE)) && ! node0; then
+    log "trained; waiting for node 0 to put the last step in S3 and write COMPLETE"
+    wait_for_node0_finish || code=$?
+  fi
   exit "${code}"
 }
 

@@ -5,6 +5,7 @@ torchrun (c10d rendezvous, gloo) with 1 process each, one lease, one writer, one
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -18,11 +19,25 @@ from podlab import ROOT, Run, write_config, write_corpus
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")]
 local_job = pytest.importorskip("local_job")
 
-STEPS = 30
+STEPS = 120  # ~50 ms a step here: long enough that a kill lands while the group trains
 GROUP_CONFIG = {"train__max_steps": STEPS, "checkpoint__interval": 5, "log__interval": 1}
 
 
-def render(folder: Path, name: str, port: int = 29400) -> Path:
+def free_port_pair() -> int:
+    """A port for the rendezvous whose next one (node 0's answer) is free too: the pods share this
+    machine's ports, and another run here may hold 29400."""
+    while True:
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("", port + 1))
+            except OSError:
+                continue
+            return port
+
+
+def render(folder: Path, name: str, port: int) -> Path:
     """The manifests a user would apply (submit.py --engine indexed --nodes 2)."""
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "submit.py"), name, "--image", "local",
                           "--code", "s3://bucket/code/", "--data", "s3://bucket/data/",
@@ -33,15 +48,21 @@ def render(folder: Path, name: str, port: int = 29400) -> Path:
     return path
 
 
-def start_group(run: Run, name: str, port: int = 29400, **env: str):
-    job = local_job.IndexedJob(render(run.folder, name, port), env=run.env(**env))
+STARTED: list = []
+
+
+def start_group(run: Run, name: str, **env: str):
+    job = local_job.IndexedJob(render(run.folder, name, free_port_pair()), env=run.env(**env))
+    STARTED.append(job)
     job.start()
     return job
 
 
 @pytest.fixture
 def group_run(s3, s3_endpoint, tmp_path, tool_path):
-    return Run(s3, s3_endpoint, tmp_path, name="g1", **GROUP_CONFIG).stage()
+    yield Run(s3, s3_endpoint, tmp_path, name="g1", **GROUP_CONFIG).stage()
+    while STARTED:  # a failed test leaves no pod behind
+        STARTED.pop().stop(grace=30)
 
 
 def one_pod_two_processes(run: Run, folder: Path) -> bytes:
@@ -72,10 +93,12 @@ def test_a_group_of_two_pods_trains_once_and_ends_like_one_pod_of_two_processes(
         (0, 0, "succeeded"), (1, 0, "succeeded")]
 
 
-def kill_and_time(run: Run, job, index: int) -> float:
-    """SIGKILL pod INDEX once a checkpoint is in S3; seconds until the restarted group trains again."""
-    pod = job.pod(0)
-    pod.wait_for_event("uploaded", timeout=300)
+def kill_and_time(job, index: int, at_step: int) -> float:
+    """SIGKILL pod INDEX once node 0 has put step AT_STEP or a later one in S3; seconds until the
+    group trains again. (The uploader may skip a step the trainer already pruned: hence "or later".)"""
+    node0 = job.pod(0)
+    assert local_job_wait(lambda: any(e["event"] == "uploaded" and (e["step"] or 0) >= at_step
+                                      for e in node0.events), 300), node0.output[-3000:]
     attempts = job.attempts(0)
     assert job.pod(index).lose_node()
     killed = time.monotonic()
@@ -96,12 +119,12 @@ def local_job_wait(condition, timeout: float) -> bool:
 def test_a_killed_pod_restarts_the_whole_group_which_ends_bitwise_equal(group_run, tmp_path):
     reference = one_pod_two_processes(group_run, tmp_path / "reference")
     job = start_group(group_run, "g1")
-    lost_1 = kill_and_time(group_run, job, index=1)
+    lost_1 = kill_and_time(job, index=1, at_step=30)
     # The survivor saw its peer go and exited 138: ignored by the Job, so it is not a failure.
     assert (0, 138, "ignored") in job.history, job.history
     resumed = job.pod(0).wait_for_event("resumed", timeout=60)
     assert resumed["step"] > 0, "the group went on from S3, not from step 0"
-    lost_0 = kill_and_time(group_run, job, index=0)
+    lost_0 = kill_and_time(job, index=0, at_step=70)
     assert (1, 138, "ignored") in job.history, job.history
     assert_complete_and_equal(group_run, job, reference)
     counted = [h for h in job.history if h[2] == "counted"]
@@ -129,7 +152,7 @@ def test_sigterm_to_one_pod_commits_the_step_once_and_the_group_resumes_there(gr
 def test_two_groups_on_one_prefix_one_trains_the_other_waits(group_run):
     first = start_group(group_run, "g1", TRAIN_ARGS="--set train.max_steps=5000")
     first.pod(0).wait_for_event("step", timeout=300)
-    second = start_group(group_run, "g1b", port=29500, S3_OUTPUT_URI=group_run.output_uri)
+    second = start_group(group_run, "g1b", S3_OUTPUT_URI=group_run.output_uri)
     try:
         second.pod(0).wait_for_event("phase", name="take the run's lease", state="start", timeout=300)
         second.pod(1).wait_for_event("phase", name="wait for node 0", state="start", timeout=300)
@@ -142,3 +165,16 @@ def test_two_groups_on_one_prefix_one_trains_the_other_waits(group_run):
         first.stop(grace=60)
     print(f"\nfirst group: {first.history}; second group: {second.history}")
     assert [code for _, code, _ in second.history] == [143, 143], "a deleted pod says it was stopped"
+
+
+def test_node_0_lost_in_its_final_upload_brings_back_the_node_that_had_finished(group_run, tmp_path):
+    # Node 1 trained to the end before node 0's final upload: were it to exit 0 then, the Job would
+    # replace node 0 alone, and a group of one never meets again.
+    reference = one_pod_two_processes(group_run, tmp_path / "reference")
+    job = start_group(group_run, "g1")
+    job.pod(0).wait_for_event("phase", timeout=300, name="final upload", state="start", trainer_exit=0)
+    assert job.pod(0).lose_node()
+    assert_complete_and_equal(group_run, job, reference)
+    assert (0, 137, "counted") in job.history and (1, 138, "ignored") in job.history, job.history
+    assert job.history[-2:] in ([(0, 0, "succeeded"), (1, 0, "succeeded")],
+                                [(1, 0, "succeeded"), (0, 0, "succeeded")]), job.history

@@ -57,11 +57,11 @@ def node0(tmp_path):
     server.wait()
 
 
-def wait_in_background(endpoint: str, seconds: float, run: str = RUN) -> dict:
+def wait_in_background(endpoint: str, seconds: float, run: str = RUN, node: str = "1", pod: str = "p1") -> dict:
     result = {}
 
     def ask():
-        done = subprocess.run([sys.executable, str(JOB / "group.py"), "wait", endpoint, run, str(seconds)],
+        done = subprocess.run([sys.executable, str(JOB / "group.py"), "wait", endpoint, run, str(seconds), node, pod],
                               capture_output=True, text=True)
         result.update(code=done.returncode, out=done.stdout, err=done.stderr)
 
@@ -161,3 +161,78 @@ def test_record_exit_writes_torchrun_s_error_file_without_a_line(tmp_path, monke
     config.record_exit(143, "stopped after SIGTERM")
     assert json.loads((tmp_path / "error.json").read_text())["message"]["message"] == "stopped after SIGTERM"
     assert capsys.readouterr() == ("", "")
+
+
+def finish_in_background(endpoint: str, seconds: float) -> dict:
+    result = {}
+
+    def ask():
+        done = subprocess.run([sys.executable, str(JOB / "group.py"), "finish", endpoint, RUN, str(seconds)],
+                              capture_output=True, text=True)
+        result.update(code=done.returncode, err=done.stderr)
+
+    result["thread"] = threading.Thread(target=ask)
+    result["thread"].start()
+    return result
+
+
+def test_a_trained_node_stays_while_node_0_uploads_and_ends_when_it_wrote_complete(node0):
+    endpoint, state = node0
+    group.say(state, RUN, "restored", "step-00000020")
+    finishing = finish_in_background(endpoint, seconds=2)
+    time.sleep(3.5)  # past the limit: "restored" is node 0 alive in its final upload
+    assert finishing["thread"].is_alive()
+    group.say(state, RUN, "complete")
+    finishing["thread"].join(20)
+    assert finishing["code"] == 0
+
+
+def test_node_0_that_started_again_means_it_died_in_its_final_upload_138(node0):
+    endpoint, state = node0  # "waiting": what a replacement of node 0 says first
+    finishing = finish_in_background(endpoint, seconds=10)
+    finishing["thread"].join(20)
+    assert finishing["code"] == 138 and "died in its final upload" in finishing["err"]
+
+
+def test_node_0_gone_before_complete_is_138():
+    finishing = finish_in_background(f"127.0.0.1:{free_port()}", seconds=2)
+    finishing["thread"].join(20)
+    assert finishing["code"] == 138 and "went away before it wrote COMPLETE" in finishing["err"]
+
+
+def test_node_0_gives_its_choice_to_one_pod_per_rank_and_tells_a_replacement_to_wait(node0):
+    # The replacement of a node whose group is gone must not take the old node 0's choice: that
+    # node 0 may still upload a newer step before it dies, and the next node 0 would choose that one.
+    endpoint, state = node0
+    group.say(state, RUN, "restored", "step-00000020")
+    first = wait_in_background(endpoint, seconds=10, node="1", pod="first-pod")
+    first["thread"].join(20)
+    assert first["code"] == 0 and first["out"].strip() == "step-00000020"
+    again = wait_in_background(endpoint, seconds=10, node="1", pod="first-pod")  # the same pod asking again
+    again["thread"].join(20)
+    assert again["code"] == 0 and again["out"].strip() == "step-00000020"
+    other_rank = wait_in_background(endpoint, seconds=10, node="2", pod="rank-2-pod")
+    other_rank["thread"].join(20)
+    assert other_rank["code"] == 0
+    replacement = subprocess.Popen([sys.executable, str(JOB / "group.py"), "wait", endpoint, RUN, "2", "1",
+                                    "second-pod"], stdout=subprocess.PIPE, text=True)
+    time.sleep(3.5)  # longer than its limit: "waiting" keeps it asking, it takes no step
+    assert replacement.poll() is None
+    replacement.kill()
+    assert replacement.communicate()[0] == ""
+
+
+@pytest.mark.parametrize("state,given,node,pod,expected", [
+    ({"state": "restored", "step": "step-00000005"}, {}, "1", "a", "restored"),
+    ({"state": "restored", "step": "step-00000005"}, {"1": "a"}, "1", "a", "restored"),
+    ({"state": "restored", "step": "step-00000005"}, {"1": "a"}, "1", "b", "waiting"),
+    ({"state": "restored", "step": "step-00000005"}, {"1": "a"}, "2", "b", "restored"),
+    ({"state": "waiting", "step": None}, {}, "1", "a", "waiting"),
+    ({"state": "complete", "step": None}, {"1": "a"}, "1", "b", "complete"),  # the run is done for anyone
+])
+def test_answers_table(state, given, node, pod, expected):
+    answers = group.Answers()
+    answers.given.update(given)
+    answer = answers.answer({"run": RUN, **state}, node, pod)
+    assert answer["state"] == expected
+    assert answer["step"] == (state["step"] if expected == "restored" else None)
