@@ -18,7 +18,10 @@ State (node 0's STATE_FILE): {"run": S3_OUTPUT_URI, "state": "waiting" (for the 
 One group, one answer: node 0 gives its choice to one pod per node rank (NODE, and POD: a token
 each pod draws at its start). A second pod of that rank is a replacement: its group is gone, this
 node 0 only has yet to notice (its collective fails within seconds) and may still be uploading a
-newer step. Told "waiting", the new pod asks again until the next node 0 answers.
+newer step. Told "waiting", the new pod asks again until the next node 0 answers. And this node 0
+learns from it that its group is gone: the server touches STATE_FILE.broken, and script.sh stops
+the trainer (exit 138), which would otherwise wait out the rendezvous's timeout for a pod that died
+between its answer and its torchrun.
 
 `wait` exit codes: 0 (the step's name printed, an empty line for step 0), 3 (node 0 found the run
 COMPLETE), 64 (node 0 serves another run: the pods' settings differ), 75 (node 0 did not answer
@@ -86,9 +89,10 @@ def newest_committed(output_dir: Path) -> str | None:
 class Answers:
     """Which pod of each node rank was given node 0's choice (a pod asks every second)."""
 
-    def __init__(self):
+    def __init__(self, on_replacement=lambda node: None):
         self.given: dict[str, str] = {}
         self.lock = threading.Lock()
+        self.on_replacement = on_replacement
 
     def answer(self, state: dict, node: str, pod: str) -> dict:
         if state.get("state") != "restored":
@@ -96,11 +100,16 @@ class Answers:
         with self.lock:
             if self.given.setdefault(node, pod) == pod:
                 return state
+        self.on_replacement(node)
         return {**state, "state": "waiting", "step": None}  # a replacement: for the next node 0
 
 
+def broken_marker(path: Path) -> Path:
+    return path.with_name(path.name + ".broken")
+
+
 def serve(port: int, path: Path) -> None:
-    answers = Answers()
+    answers = Answers(on_replacement=lambda node: broken_marker(path).write_text(node))
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name

@@ -625,6 +625,17 @@ supervise_uploader() {
   kill -s TERM "${TRAINER_PID}" 2>/dev/null || true
 }
 
+# A replacement of another node asked node 0 for the checkpoint (job/group.py): that node's pod
+# died, so this group is gone. Stopped now, the trainer would otherwise wait out the rendezvous
+# (RDZV_TIMEOUT_SECONDS) for a pod that will never come; it exits 138 like any peer's stop.
+GROUP_BROKEN_SEEN=0
+stop_a_broken_group() {
+  ((NNODES > 1 && !GROUP_BROKEN_SEEN)) && node0 && [[ -f "$(group_state).broken" ]] || return 0
+  GROUP_BROKEN_SEEN=1
+  log "a new pod of node $(cat "$(group_state).broken") asked for the checkpoint: its predecessor is gone, so is this group; stopping the trainer"
+  kill -s TERM "${TRAINER_PID}" 2>/dev/null || true
+}
+
 # A second at a time, checking on the uploader between: a plain `wait` would block until
 # training ends while checkpoints no longer reach S3. A trapped signal ends the sleep's wait at
 # once (on_signal forwards it), so SIGTERM is handled as promptly as before.
@@ -632,6 +643,7 @@ wait_for_trainer() {
   local sleeper
   while kill -0 "${TRAINER_PID}" 2>/dev/null; do
     supervise_uploader
+    stop_a_broken_group
     sleep 1 &
     sleeper=$!
     wait "${sleeper}" 2>/dev/null || kill "${sleeper}" 2>/dev/null || true
@@ -754,6 +766,9 @@ run_trainer() {
   fi
   if ((UPLOADER_GAVE_UP && code != 0)); then
     return "${UPLOADER_GAVE_UP}"  # said when it was decided
+  fi
+  if ((GROUP_BROKEN_SEEN && code != 0)); then
+    return "${EXIT_PEER_LOST}"  # said when it was seen; torchrun stopped mid-rendezvous says 1
   fi
   ((code != 0)) || return 0
   # torchrun exits 1 whatever its workers' codes; their root cause carries the real one.

@@ -178,3 +178,18 @@ def test_node_0_lost_in_its_final_upload_brings_back_the_node_that_had_finished(
     assert (0, 137, "counted") in job.history and (1, 138, "ignored") in job.history, job.history
     assert job.history[-2:] in ([(0, 0, "succeeded"), (1, 0, "succeeded")],
                                 [(1, 0, "succeeded"), (0, 0, "succeeded")]), job.history
+
+
+def test_a_node_lost_between_node_0s_answer_and_the_rendezvous_restarts_the_group_at_once(group_run, tmp_path):
+    # Node 0 waits in the rendezvous for a pod that died after taking its answer; the pod's
+    # replacement, asking again, tells node 0 its group is gone (else: RDZV_TIMEOUT_SECONDS, 900 s).
+    reference = one_pod_two_processes(group_run, tmp_path / "reference")
+    job = start_group(group_run, "g1")
+    job.pod(1).wait_for_event("phase", timeout=300, name="restore checkpoint", state="start")
+    assert job.pod(1).lose_node()
+    lost = time.monotonic()
+    assert job.wait_for_pod(0, 2, timeout=120), "node 0 stopped and was replaced"
+    print(f"\nnode 1 lost before the rendezvous: node 0 replaced after {time.monotonic() - lost:.1f} s")
+    assert_complete_and_equal(group_run, job, reference)
+    assert job.history[:2] in ([(1, 137, "counted"), (0, 138, "ignored")],
+                               [(0, 138, "ignored"), (1, 137, "counted")]), job.history

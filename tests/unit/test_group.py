@@ -214,12 +214,14 @@ def test_node_0_gives_its_choice_to_one_pod_per_rank_and_tells_a_replacement_to_
     other_rank = wait_in_background(endpoint, seconds=10, node="2", pod="rank-2-pod")
     other_rank["thread"].join(20)
     assert other_rank["code"] == 0
+    assert not group.broken_marker(state).exists()
     replacement = subprocess.Popen([sys.executable, str(JOB / "group.py"), "wait", endpoint, RUN, "2", "1",
                                     "second-pod"], stdout=subprocess.PIPE, text=True)
     time.sleep(3.5)  # longer than its limit: "waiting" keeps it asking, it takes no step
     assert replacement.poll() is None
     replacement.kill()
     assert replacement.communicate()[0] == ""
+    assert group.broken_marker(state).read_text() == "1", "node 0 learns that its group is gone"
 
 
 @pytest.mark.parametrize("state,given,node,pod,expected", [
