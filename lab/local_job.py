@@ -719,7 +719,7 @@ class JobSetRun:
             if child.condition[0] == "Complete":
                 self._end("Completed", "AllJobsCompleted")
                 return
-            reason, message = child_failure(child)
+            reason, message = child_failure(child, self.jobset["metadata"].get("namespace", "default"))
             decision, detail = jobset_decision(self.policy, reason, message, self.replicated_job,
                                                self.counted_restarts)
             self.failures.append((self.restarts, reason, message, f"{decision} ({detail})"))
@@ -742,13 +742,12 @@ class JobSetRun:
         self._finished.set()
 
 
-def child_failure(child: IndexedJob) -> tuple[str, str]:
+def child_failure(child: IndexedJob, namespace: str = "default") -> tuple[str, str]:
     """The failed child Job's (reason, message): the pod whose failure failed it, replayed."""
     if child.condition and child.condition[1] == "DeadlineExceeded":
         return "DeadlineExceeded", DEADLINE_MESSAGE
     seen: dict[int, int] = {}
     failures = 0
-    namespace = "default"
     for index, code, verdict in child.history:
         pod = child.pods(index)[seen.get(index, 0)]
         seen[index] = seen.get(index, 0) + 1
