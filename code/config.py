@@ -44,13 +44,20 @@ def peer_lost(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and "gloo" in text and any(marker in text for marker in _PEER_GONE)
 
 
+_PEER_DIED = ("Connection closed by peer", "Connection reset by peer")
+
+
 def group_failure_code(err: BaseException, trained: bool) -> int | None:
     """The exit code for a collective that failed, or None when ERR is the trainer's own fault.
-    Only a group that trained a step here counts as formed: one that fails before that every time
-    (a wrong address, a firewall) must use up the Job's retries (75), not restart forever (138)."""
+    138 when the group had formed: it trained a step here, or the peer was there and its
+    connection closed (its pod died; its own exit is what the Job counts). 75 otherwise: a group
+    that never gets that far (a wrong address, a firewall, timeouts) must use up the Job's retries,
+    not restart forever."""
     if not peer_lost(err):
         return None
-    return EXIT_PEER_LOST if trained else EXIT_UNAVAILABLE
+    if trained or any(marker in str(err) for marker in _PEER_DIED):
+        return EXIT_PEER_LOST
+    return EXIT_UNAVAILABLE
 
 
 def record_exit(code: int, message: str) -> None:

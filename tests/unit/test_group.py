@@ -143,7 +143,9 @@ class DistBackendError(RuntimeError):
 
 @pytest.mark.parametrize("err,trained,code", [
     (RuntimeError(GLOO_RESET), True, 138),  # seen: the peer's pod SIGKILLed mid-step
-    (RuntimeError(GLOO_RESET), False, 75),  # a group that never trained a step: counted
+    (RuntimeError(GLOO_RESET), False, 138),  # the peer was there and died before the first step
+    (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv"), False, 75),
+    (RuntimeError("[gloo/transport/tcp/pair.cc:311] Connection refused [10.0.0.2]:4000"), False, None),
     (RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer [10.0.0.2]:1"), True, 138),
     (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv"), True, 138),
     (DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, remote process exited"), True, 138),
