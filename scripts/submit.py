@@ -38,10 +38,13 @@ Engines, and what restarts the group of N pods when one of them goes:
     pytorchjob  N pods as a Kubeflow PyTorchJob (kubeflow.org/v1, training-operator v1.x): Master (1)
                 and Worker (N-1), restartPolicy ExitCode. The operator finds the container by the
                 name "pytorch" (renamed from job.yaml's "trainer") and injects MASTER_ADDR,
-                MASTER_PORT (its port "pytorchjob-port", 23456), WORLD_SIZE, RANK, PET_NODE_RANK,
-                PET_NNODES. ExitCode recreates a pod that exits 130, 137, 143 (signals: preemption,
-                deletion) or 138, without limit; every other code, 64 included, fails the PyTorchJob
-                at once. Not expressible there: a counted retry of a crash or of 75 (runPolicy's
+                MASTER_PORT (its port "pytorchjob-port", 23456), WORLD_SIZE (pods x nprocPerNode),
+                RANK, PET_NODE_RANK, PET_NNODES. ExitCode recreates a pod that exits 128 or more
+                (the operator's IsRetryableExitCode: 130, 137, 143 for signals, 138, but also 134 or
+                139), alone and without limit; every other code, 64 and 75 included, fails the
+                PyTorchJob at once, and cleanPodPolicy Running then deletes the pods still running
+                (the default, None, would leave a worker waiting RDZV_TIMEOUT_SECONDS for a master
+                that never comes, holding its GPUs). Not expressible there: a counted retry of a crash or of 75 (runPolicy's
                 backoffLimit counts only OnFailure and Always restarts, so it is left out, and
                 OnFailure would retry exit 64 too): a crash or an S3 outage past S3_RETRY_SECONDS
                 ends the run (resubmit it; it resumes from S3) unless the runtime exits 138 for
@@ -355,7 +358,7 @@ def render_pytorchjob(job: dict, args: argparse.Namespace) -> list[dict]:
     if args.nodes > 1:
         replicas["Worker"] = {**copy.deepcopy(replica), "replicas": args.nodes - 1}
     # No backoffLimit: the operator counts only OnFailure/Always restarts (and warns on every sync).
-    run_policy = {}
+    run_policy = {"cleanPodPolicy": "Running"}  # a failed run's pods go, not wait holding GPUs
     if "ttlSecondsAfterFinished" in job["spec"]:
         run_policy["ttlSecondsAfterFinished"] = job["spec"]["ttlSecondsAfterFinished"]
     return [{"apiVersion": PYTORCHJOB_API, "kind": "PyTorchJob",

@@ -370,7 +370,7 @@ def test_pytorchjob_run_pods_as_the_operator_makes_them(tmp_path):
     assert {p.env["WORLD_SIZE"] for p in pods} == {"3"} and {p.env["PET_NNODES"] for p in pods} == {"3"}
     assert all("JOB_COMPLETION_INDEX" not in p.env and "RDZV_ENDPOINT" not in p.env for p in pods)
     assert "127.0.0.10\tr1-master-0\tr1-master-0.default.svc.cluster.local" in local_pod.hosts_file(pods[2])
-    assert job.clean_pod_policy == "None" and job.grace == 300
+    assert job.clean_pod_policy == "Running" and job.grace == 300
 
 
 @pytest.mark.parametrize("change, message", [
