@@ -65,8 +65,19 @@ def group_run(s3, s3_endpoint, tmp_path, tool_path):
         STARTED.pop().stop(grace=30)
 
 
+REFERENCES: dict[str, bytes] = {}
+
+
 def one_pod_two_processes(run: Run, folder: Path) -> bytes:
-    """The same config and world size in one place: the model every group run must end with."""
+    """The same config and world size in one place: the model every group run must end with
+    (trained once per config for all the tests: the corpus is the same, seeded)."""
+    key = repr(sorted(run.config.items()))
+    if key not in REFERENCES:
+        REFERENCES[key] = _train_reference(run, folder)
+    return REFERENCES[key]
+
+
+def _train_reference(run: Run, folder: Path) -> bytes:
     data, cfg, out = write_corpus(folder / "data"), folder / "cfg.yaml", folder / "out"
     write_config(cfg, **run.config)
     subprocess.run(train_command(cfg, data, out, nproc=2), check=True, capture_output=True,
