@@ -9,68 +9,20 @@ requests and the bytes of their bodies); the trainer's writes made with the trai
 
 from __future__ import annotations
 
-import collections
-import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from bench_growth import POINTS_PER_INTERVAL, PREFIX, URI, Meter, Trainer, growing  # the benchmark's method, one copy
 from podlab import BUCKET, wait_until
 from s3_fault_proxy import FaultProxy
 from test_uploader import JOB, keys_in_s3, take_lease, uploader_env
 
 INTERVALS = 30
-POINTS_PER_INTERVAL = 20  # scalars, and as many log lines
-PREFIX = "runs/growth/"
-URI = f"s3://{BUCKET}/{PREFIX}"
-
-
-class Meter:
-    """Requests and request-body bytes through a FaultProxy, by the key's first folder under the run."""
-
-    def __init__(self, proxy: FaultProxy):
-        self.lock = threading.Lock()
-        self.requests: collections.Counter[str] = collections.Counter()
-        self.bytes: collections.Counter[str] = collections.Counter()
-        self.puts: collections.Counter[str] = collections.Counter()  # key -> PUTs of it
-        self.current = threading.local()
-        choose, pace = proxy.choose_fault, proxy.pace_body
-
-        def choose_fault(method, path):
-            where = self.folder_of(path)
-            self.current.where = where
-            with self.lock:
-                self.requests[where] += 1
-                if method == "PUT":
-                    self.puts[path.split("?")[0]] += 1
-            return choose(method, path)
-
-        def pace_body(size):
-            with self.lock:
-                self.bytes[getattr(self.current, "where", "?")] += size
-            return pace(size)
-
-        proxy.choose_fault, proxy.pace_body = choose_fault, pace_body
-
-    @staticmethod
-    def folder_of(path: str) -> str:
-        key = path.split("?")[0].removeprefix(f"/{BUCKET}/").removeprefix(PREFIX)
-        return key.split("/")[0] if "/" in key else key
-
-    def snapshot(self) -> tuple[dict, dict]:
-        with self.lock:
-            return dict(self.requests), dict(self.bytes)
-
-
-def growing(counts: dict) -> int:
-    return counts.get("tensorboard", 0) + counts.get("logs", 0)
-
-
 def s3_objects(s3, folder: str) -> list[str]:
     return sorted(k for k in keys_in_s3(s3, PREFIX + folder))
 
@@ -89,28 +41,6 @@ def stop_watcher(watcher: subprocess.Popen) -> str:
     output = watcher.communicate(timeout=60)[0]
     assert watcher.returncode == 0, output
     return output
-
-
-class Trainer:
-    """Writes as train.py does: a SummaryWriter's event file and log lines, a batch per interval."""
-
-    def __init__(self, out: Path, log: Path):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(out / "tensorboard"))
-        self.log = log
-        self.step = 0
-
-    def interval(self) -> None:
-        with self.log.open("a") as file:
-            for _ in range(POINTS_PER_INTERVAL):
-                self.step += 1
-                self.writer.add_scalar("train/loss", 1.0 / self.step, self.step)
-                file.write(f"2026-11-23T00:00:00Z train: step {self.step}/600000 | loss {1.0 / self.step:.4f}\n")
-        self.writer.flush()
-
-    def event_file(self) -> Path:
-        return Path(self.writer.file_writer.event_writer._file_name)
 
 
 def wait_for_round(meter: Meter, before: int) -> None:
