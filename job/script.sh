@@ -711,8 +711,9 @@ wait_for_node0() {
 # final upload, this pod must fail too (138) for the whole group to come back.
 wait_for_node0_finish() {
   local answer="${STATE_DIR}/group-finish" code=0
-  python3 "${JOB_DIR}/group.py" finish "${RDZV_HOST}:${GROUP_PORT}" "${S3_OUTPUT_URI}" "${NODE0_GONE_SECONDS}" \
-    >"${answer}" 2>&1 || code=$?
+  # A child, so a SIGTERM meanwhile (a preemption) ends the wait at once: exit 143.
+  run_child --output "${answer}" python3 "${JOB_DIR}/group.py" finish "${RDZV_HOST}:${GROUP_PORT}" \
+    "${S3_OUTPUT_URI}" "${NODE0_GONE_SECONDS}" || code=$?
   ((code == 0)) || log "$(tail -n 1 "${answer}")"
   return "${code}"
 }
