@@ -19,16 +19,16 @@ from pathlib import Path
 
 import yaml
 
+# The pod's exit codes are the runtime's contract (code/contract.py links to job/contract.py).
+from contract import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_UNAVAILABLE  # noqa: F401 - train.py, finetune.py use them
+
 
 class ConfigError(Exception):
     """Bad input that no retry can fix."""
 
 
-EXIT_BAD_INPUT = 64
 
 
-EXIT_UNAVAILABLE = 75   # a retry may pass (counted by the Job)
-EXIT_PEER_LOST = 138    # a peer of a formed group went away: the Job restarts the group, uncounted
 
 # How a collective fails when the process at the other end is gone: its socket closed by the
 # kernel (pod killed, SIGKILL, OOM) or no answer within the process group's timeout (node lost).

@@ -15,8 +15,11 @@ from __future__ import annotations
 import json
 import sys
 
+import contract  # standard library only, like this file
+
 NO_MESSAGE = "see its traceback above"
-RENDEZVOUS_FAILED = 75  # contract.EXIT_UNAVAILABLE; torchrun's own exception class names start so:
+RENDEZVOUS_FAILED = contract.EXIT_UNAVAILABLE
+# torchrun's own exception class names start so:
 RENDEZVOUS_ERRORS = "Rendezvous"  # RendezvousTimeoutError, RendezvousClosedError, RendezvousConnectionError
 MAX_MESSAGE = 300
 MAX_BYTES = 1 << 20
