@@ -37,8 +37,9 @@ OUTAGE_SECONDS = 40  # the two-minute outage is lab/measure_lease.py outage's: a
 def test_ten_percent_faults_and_an_outage_lose_nothing(run, s3_endpoint):
     with FaultProxy(upstream=s3_endpoint, error_rate=0.05, reset_rate=0.03, slow_rate=0.02,
                     slow_seconds=0.5, seed=7) as proxy:
+        # A round of the uploader's retries well inside the outage: it must see the outage, not ride it out.
         pod = through(run, proxy).start(TRAIN_ARGS="--set train.max_steps=400 --set log.interval=20",
-                                        S3_RETRY_SECONDS="600")
+                                        S3_RETRY_SECONDS="600", UPLOAD_RETRY_SECONDS="5")
         pod.wait_for("uploader: step-", timeout=180)
         proxy.configure(outage=True, outage_seconds=OUTAGE_SECONDS)
         outage_started, outage_wall = time.monotonic(), time.time()
@@ -58,7 +59,8 @@ def test_ten_percent_faults_and_an_outage_lose_nothing(run, s3_endpoint):
     assert len(trained_during_outage) >= 3, "training carries on while S3 is down"
     # Backoff, not a hot loop: the uploader, lease keeper and final upload together ask S3 a
     # few times a minute during the outage.
-    assert len(outage_requests) < 2 * OUTAGE_SECONDS, f"{len(outage_requests)} requests in a {OUTAGE_SECONDS} s outage"
+    # (39 to 63 here: a hot loop would be thousands.)
+    assert len(outage_requests) < 3 * OUTAGE_SECONDS, f"{len(outage_requests)} requests in a {OUTAGE_SECONDS} s outage"
     print(f"\n10% faults ({injected}) and a {OUTAGE_SECONDS} s outage: {len(outage_requests)} requests "
           f"during the outage; COMPLETE written")
 
