@@ -137,7 +137,7 @@ def ask(url: str):
     try:
         with urllib.request.urlopen(url, timeout=5) as answer:
             return json.loads(answer.read(MAX_ANSWER))
-    except (OSError, ValueError, urllib.error.URLError):
+    except (OSError, ValueError, RecursionError, urllib.error.URLError):  # RecursionError: "[[[[..." nesting
         return None
 
 

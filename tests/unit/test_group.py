@@ -240,3 +240,24 @@ def test_answers_table(state, given, node, pod, expected):
     answer = answers.answer({"run": RUN, **state}, node, pod)
     assert answer["state"] == expected
     assert answer["step"] == (state["step"] if expected == "restored" else None)
+
+
+@pytest.mark.parametrize("body", [b"[" * 4000, b"not json", b'{"run": 1}' * 1000, b"\xff\xfe"])
+def test_an_answer_that_is_no_state_counts_as_no_answer(tmp_path, body):
+    # Whatever answers on node 0's port is read like anything from the network.
+    class Handler(__import__("http.server").server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = __import__("http.server").server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert group.ask(f"http://127.0.0.1:{server.server_address[1]}/") is None or \
+            group.state_problem(group.ask(f"http://127.0.0.1:{server.server_address[1]}/"), RUN)
+    finally:
+        server.shutdown()
