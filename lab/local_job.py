@@ -761,13 +761,7 @@ def child_failure(child: IndexedJob, namespace: str = "default") -> tuple[str, s
     return child.condition[1] if child.condition else "Unknown", ""
 
 
-def wait_until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+wait_until = podlab.wait_until  # one polling helper for the lab and the tests
 
 
 # ---------------------------------------------------------------- the training operator's rules

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import train_command, train_env
-from podlab import ROOT, Run, write_config, write_corpus
+from podlab import ROOT, Run, wait_until, write_config, write_corpus
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")]
 local_job = pytest.importorskip("local_job")
@@ -108,23 +108,14 @@ def kill_and_time(job, index: int, at_step: int) -> float:
     """SIGKILL pod INDEX once node 0 has put step AT_STEP or a later one in S3; seconds until the
     group trains again. (The uploader may skip a step the trainer already pruned: hence "or later".)"""
     node0 = job.pod(0)
-    assert local_job_wait(lambda: any(e["event"] == "uploaded" and (e["step"] or 0) >= at_step
+    assert wait_until(lambda: any(e["event"] == "uploaded" and (e["step"] or 0) >= at_step
                                       for e in node0.events), 300), node0.output[-3000:]
     attempts = job.attempts(0)
     assert job.pod(index).lose_node()
     killed = time.monotonic()
-    assert local_job_wait(lambda: job.attempts(0) > attempts, 120), "node 0 was not replaced"
+    assert wait_until(lambda: job.attempts(0) > attempts, 120), "node 0 was not replaced"
     job.pod(0).wait_for_event("step", timeout=300)
     return time.monotonic() - killed
-
-
-def local_job_wait(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 def test_a_killed_pod_restarts_the_whole_group_which_ends_bitwise_equal(group_run, tmp_path):
@@ -150,7 +141,7 @@ def test_sigterm_to_one_pod_commits_the_step_once_and_the_group_resumes_there(gr
     job.pod(1).delete()  # a preemption of the node of pod 1: SIGTERM, DisruptionTarget
     stopped = node0.wait_for_event("stopped", timeout=120)
     assert node0.wait() == 138, ("stopped for its peer's preemption, not its own", node0.output[-5000:])
-    assert local_job_wait(lambda: len(job.history) >= 2, 30), job.history
+    assert wait_until(lambda: len(job.history) >= 2, 30), job.history
     # Pod 1 was preempted (143, DisruptionTarget); pod 0 stopped with it (138): neither is counted.
     assert sorted(job.history[:2]) == [(0, 138, "ignored"), (1, 143, "ignored")], job.history
     assert job.failures == 0
