@@ -104,6 +104,8 @@ LOGS_PREFIX = "logs/"             # logs/attempt-NNNN-POD/NNNNNNNN.log
 #               wait for node 0 (nodes k > 0 of a group), restore checkpoint; final upload (node 0;
 #               with trainer_exit; exit: the uploader's code, at done)
 #   ready       seconds (from the pod's start to training)            script.sh
+#   preloaded   seconds (torch's import in torchrun's worker, while   preload.py (rank 0)
+#               the pod takes the lease and restores)
 #   lease       state ("held" | "off" | "complete"), waited (held)   lease.py
 #   restore     step, name (restored; null: the trainer starts at 0)  restore.py
 #   uploaded    step, name, bytes, seconds (committed in S3)          uploader.py
@@ -124,7 +126,7 @@ LOGS_PREFIX = "logs/"             # logs/attempt-NNNN-POD/NNNNNNNN.log
 #   stopped     signal ("SIGTERM" | "SIGINT"), step: `step` is committed, the trainer exits 128+signal
 #   done        step: the last step is committed, the trainer exits 0
 EVENT_PREFIX = "EVENT "
-EVENTS = ("phase", "ready", "lease", "restore", "uploaded", "complete", "exit",
+EVENTS = ("phase", "ready", "preloaded", "lease", "restore", "uploaded", "complete", "exit",
           "resumed", "step", "checkpoint", "stopped", "done")
 TRAINER_SOURCE = "train"
 

@@ -71,6 +71,7 @@ STOP_SIGNAL=""
 SIGNALS_SEEN=0
 CHILD_PID=""
 TRAINER_PID=""
+TRAINER_RELEASED=0  # past the gate: the trainer runs, a signal makes it commit its step
 UPLOADER_PID=""
 UPLOADER_RESTARTED=0
 UPLOADER_GAVE_UP=0  # the exit code the pod ends with once the uploader died twice
@@ -143,13 +144,15 @@ on_signal() {
   SIGNALS_SEEN=$((SIGNALS_SEEN + 1))
   [[ -z "${STOP_SIGNAL}" ]] || return 0
   STOP_SIGNAL=${sig}
-  if [[ -n "${TRAINER_PID}" ]]; then
+  if [[ -n "${TRAINER_PID}" ]] && ((TRAINER_RELEASED)); then
     log "got SIG${sig}: the trainer finishes its step and commits it"
     kill -s "${sig}" "${TRAINER_PID}" 2>/dev/null || true
-  elif [[ -n "${CHILD_PID}" ]]; then
-    log "got SIG${sig} while setting up: stopping"
-    kill -s TERM "${CHILD_PID}" 2>/dev/null || true
+    return 0
   fi
+  log "got SIG${sig} while setting up: stopping"
+  [[ -z "${CHILD_PID}" ]] || kill -s TERM "${CHILD_PID}" 2>/dev/null || true
+  # Still at the gate (job/preload.py): nothing to commit yet.
+  [[ -z "${TRAINER_PID}" ]] || kill -s TERM "${TRAINER_PID}" 2>/dev/null || true
 }
 
 signal_exit_code() { [[ "${STOP_SIGNAL}" == INT ]] && echo "${EXIT_SIGINT}" || echo "${EXIT_SIGTERM}"; }
@@ -744,21 +747,40 @@ mark_ready() {
   event ready seconds="$(seconds_since "${STARTED_MS}")"
 }
 
-run_trainer() {
+trainer_gate() { echo "${STATE_DIR}/trainer-gate"; }
+
+# torchrun starts before the lease and the restore (one pod): its workers import torch meanwhile
+# and wait at job/preload.py's gate, which opens once the checkpoint is on disk. A group starts it
+# after the restore, as node 0's answer and the rendezvous expect.
+start_trainer() {
+  [[ -z "${TRAINER_PID}" ]] || return 0
   stop_if_asked
-  local error_file="${STATE_DIR}/trainer-error.json"
-  rm -f "${error_file}"
+  rm -f "${STATE_DIR}/trainer-error.json" "$(trainer_gate)"
   local model_args=() launch
   [[ -z "${MODEL_DIR}" ]] || model_args=(--model_dir "${MODEL_DIR}")
   mapfile -t launch < <(launch_args)
   log "torchrun ${launch[*]} --nproc_per_node=${NPROC_PER_NODE} ${TRAIN_SCRIPT} --config ${TRAIN_CONFIG}${MODEL_DIR:+ --model_dir ${MODEL_DIR}}${TRAIN_ARGV[*]:+$(printf ' %q' "${TRAIN_ARGV[@]}")}"
   # PYTHONPATH: a trainer that brings no checkpoint.py of its own uses the runtime's.
-  TORCHELASTIC_ERROR_FILE=${error_file} PYTHONPATH=${PYTHONPATH:+${PYTHONPATH}:}${JOB_DIR} \
+  TORCHELASTIC_ERROR_FILE=${STATE_DIR}/trainer-error.json PYTHONPATH=${PYTHONPATH:+${PYTHONPATH}:}${JOB_DIR} \
     "${PYTHON}" -m torch.distributed.run "${launch[@]}" \
-    --nproc_per_node="${NPROC_PER_NODE}" "${CODE_DIR}/${TRAIN_SCRIPT}" --config "${CODE_DIR}/${TRAIN_CONFIG}" \
+    --nproc_per_node="${NPROC_PER_NODE}" "${JOB_DIR}/preload.py" "$(trainer_gate)" \
+    "${CODE_DIR}/${TRAIN_SCRIPT}" --config "${CODE_DIR}/${TRAIN_CONFIG}" \
     "${model_args[@]}" --data_dir "${DATA_DIR}" --output_dir "${OUTPUT_DIR}" "${TRAIN_ARGV[@]}" &
   TRAINER_PID=$!
-  [[ -z "${STOP_SIGNAL}" ]] || kill -s "${STOP_SIGNAL}" "${TRAINER_PID}" 2>/dev/null || true  # came before $!
+  [[ -z "${STOP_SIGNAL}" ]] || kill -s TERM "${TRAINER_PID}" 2>/dev/null || true  # came before $!
+}
+
+release_trainer() {
+  stop_if_asked
+  echo go >"$(trainer_gate).new"
+  mv "$(trainer_gate).new" "$(trainer_gate)"  # whole or absent: the workers poll it
+  TRAINER_RELEASED=1
+}
+
+run_trainer() {
+  local error_file="${STATE_DIR}/trainer-error.json"
+  start_trainer
+  release_trainer
   local code=0
   wait_for_trainer || code=$?
   TRAINER_PID=""
@@ -854,6 +876,7 @@ main() {
   phase "sync data" sync_data
   [[ -z "${MODEL_DIR}" ]] || phase "sync model" sync_model
   phase "python environment" setup_python
+  ((NNODES > 1)) || start_trainer
   if node0; then
     start_group_server
     phase "take the run's lease" take_lease

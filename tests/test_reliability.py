@@ -106,8 +106,22 @@ def test_two_pods_on_one_prefix_one_trains_the_other_waits(run):
     assert len(trained) == 1, "exactly one pod trained"
     waiter = second if trained[0] is first else first
     assert "holds the lease" in waiter.output and "became COMPLETE while waiting" in waiter.output
+    kinds = [e["event"] for e in waiter.events]
+    assert kinds.index("preloaded") < kinds.index("lease"), "its workers imported torch while it waited for the lease"
     for step in run.committed_steps():
         assert run.verify_in_s3(f"step-{step:08d}") is None
+    assert run.json("COMPLETE")["attempts"] == 1
+
+
+def test_a_pod_deleted_while_it_waits_for_the_lease_stops_at_once_and_trains_nothing(run):
+    first = run.start()
+    first.wait_for_event("step", timeout=120)
+    second = run.start()
+    second.wait_for_event("preloaded", timeout=120)  # its workers wait at the gate: torchrun is running
+    second.delete()
+    assert second.wait(timeout=60) == 143, second.output
+    assert "got SIGTERM while setting up: stopping" in second.output and "train: model:" not in second.output
+    assert first.wait() == 0, first.output
     assert run.json("COMPLETE")["attempts"] == 1
 
 
