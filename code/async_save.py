@@ -20,6 +20,11 @@ Why memfd, not /dev/shm (torch's share_memory_()): /dev/shm of a Kubernetes cont
 unless a memory emptyDir is mounted there, while a memfd is plain memory of the pod; it is handed
 to the save process over the socket (SCM_RIGHTS) and freed once both processes let go of it.
 
+The buffer's pages cost time when first touched (about 1 s a GB here, a fault per page), and a
+save that touches them holds training meanwhile. So the trainer calls reserve(bytes) after its first
+step: a thread allocates the buffer and touches every page (torch's fill releases the GIL), and the
+first submit() takes that buffer when the state fits, paying only the copy (0.1 s a GB here).
+
 At most one save is in flight: a second submit() waits for the first (and logs how long), rather
 than holding a second copy of the state. The save process dies with the trainer (PR_SET_PDEATHSIG):
 a SIGKILLed trainer leaves a staging folder, never a committed step, and no writer behind it.
@@ -186,6 +191,13 @@ def plan(storages: list[torch.Tensor]) -> tuple[list[Layout], int]:
     return layout, max(offset, _ALIGN)
 
 
+def snapshot_bytes(obj) -> int:
+    """The buffer size a snapshot of `obj` (any state submit() takes) needs."""
+    storages: list[torch.Tensor] = []
+    flatten(obj, storages, {})
+    return plan(storages)[1]
+
+
 def bytes_over(buffer, place: Layout) -> torch.Tensor:
     """A uint8 tensor of its own storage (torch.save writes only these bytes) over part of `buffer`."""
     if place.nbytes == 0:
@@ -247,6 +259,8 @@ class AsyncSaver:
         self._targets: list[torch.Tensor] = []
         self._pinned = None
         self._in_flight: _InFlight | None = None
+        self._reserving: threading.Thread | None = None
+        self._reserved: tuple[int, mmap.mmap] | None = None  # (memfd, its mapping), every page touched
 
     def submit(self, root: Path, name: str, model_state, state: dict, meta: dict, best: bool,
                keep: int) -> None:
@@ -275,6 +289,37 @@ class AsyncSaver:
         self.log(f"saving {name} in the background (pid {self._process.pid}); "
                  f"training waited {copied - started:.2f}s for the copy")
 
+    def reserve(self, nbytes: int) -> None:
+        """Allocate a buffer of `nbytes` and touch its pages in a thread, while training goes on;
+        the first submit() whose state fits takes it (see the module's docstring)."""
+        if self._buffer is not None or self._reserving is not None:
+            return
+
+        def allocate() -> None:
+            try:
+                fd = os.memfd_create("checkpoint-snapshot", os.MFD_CLOEXEC)
+                os.ftruncate(fd, nbytes)
+                buffer = mmap.mmap(fd, nbytes)
+                torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).fill_(0)
+            except (OSError, RuntimeError, ValueError) as err:  # submit() allocates, as without it
+                self.log(f"warning: could not set {nbytes / 1e6:.0f} MB aside for checkpoint snapshots "
+                         f"({err}); the first save allocates it")
+                return
+            self._reserved = (fd, buffer)
+
+        self._reserving = threading.Thread(target=allocate, name="checkpoint-buffer", daemon=True)
+        self._reserving.start()
+
+    def _take_reserved(self, size: int) -> tuple[int, mmap.mmap] | None:
+        """The reserved buffer if it holds `size` bytes (waiting for its thread), else None."""
+        if self._reserving is not None:
+            self._reserving.join()
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None and len(reserved[1]) < size:
+            os.close(reserved[0])
+            return None  # the mapping goes with its last reference
+        return reserved
+
     def poll(self) -> None:
         """Non-blocking: report a save that finished; raise SaveFailed if it failed."""
         if self._in_flight and self._conn.poll():
@@ -295,6 +340,9 @@ class AsyncSaver:
         finally:
             self._stop_process()
             self._release()
+            reserved = self._take_reserved(0)  # never used: a run that saved nothing
+            if reserved is not None:
+                os.close(reserved[0])
 
     def _receive(self) -> None:
         saving = self._in_flight
@@ -340,13 +388,17 @@ class AsyncSaver:
 
     def _allocate(self, layout: list[Layout], size: int) -> None:
         self._release()
-        self._fd = os.memfd_create("checkpoint-snapshot", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, size)
-        self._buffer = mmap.mmap(self._fd, size)
+        reserved = self._take_reserved(size)
+        if reserved is not None:
+            self._fd, self._buffer = reserved
+        else:
+            self._fd = os.memfd_create("checkpoint-snapshot", os.MFD_CLOEXEC)
+            os.ftruncate(self._fd, size)
+            self._buffer = mmap.mmap(self._fd, size)
         self._layout = layout
         self._targets = [bytes_over(self._buffer, place) for place in layout]
         if self.device.type == "cuda":
-            self._pin(size)
+            self._pin(len(self._buffer))
         if self._process:
             self._send_buffer()
 

@@ -46,7 +46,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import config
 import contract
-from async_save import AsyncSaver, NoSpace, SaveFailed, folder_bytes, folder_mb, link_best, write_step
+from async_save import (AsyncSaver, NoSpace, SaveFailed, folder_bytes, folder_mb, link_best, snapshot_bytes,
+                        write_step)
 from config import Config, ConfigError
 from model import GPT
 
@@ -54,6 +55,8 @@ EXIT_BAD_INPUT = config.EXIT_BAD_INPUT
 # torch.load(weights_only=True) runs code from a crafted file before 2.6 (CVE-2025-32434), and a
 # checkpoint comes from S3, which others may be able to write.
 SAFE_TORCH = (2, 6)
+# A checkpoint's state beyond the model and the optimizer: every process's RNG states, counters.
+SNAPSHOT_SLACK = 16 << 20
 
 # Dense bf16 tensor-core peaks per GPU (NVIDIA datasheets, TFLOP/s). Matched in order against
 # torch.cuda.get_device_name(), so the more specific names come first.
@@ -458,6 +461,8 @@ class Trainer:
                 loss = self._train_step(model)
                 self.step += 1
                 self.heartbeat.beat()
+                if self.step == start_step + 1:
+                    self._reserve_snapshot()
                 meter.after_step(loss)
                 paused = time.monotonic()
                 self._evaluate_and_save(model)
@@ -473,6 +478,13 @@ class Trainer:
                 self.saver.close()  # after an error too: a save under way is still a good checkpoint
             if self.writer:
                 self.writer.close()
+
+    def _reserve_snapshot(self) -> None:
+        """After the first step the optimizer holds its state: the background save's buffer is set
+        aside now, its pages touched by a thread, so the first save waits only for the copy."""
+        if self.saver and self.rt.master:
+            state = {"model": self.raw_model.state_dict(), "state": {"optimizer": self.optimizer.state_dict()}}
+            self.saver.reserve(snapshot_bytes(state) + SNAPSHOT_SLACK)
 
     def _train_step(self, model) -> torch.Tensor:
         lr = lr_at(self.step + 1, self.cfg.train)

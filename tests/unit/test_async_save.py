@@ -123,3 +123,25 @@ def test_a_stop_signal_while_the_save_process_starts_still_reaches_the_trainer()
     code = Path(async_save.__file__).parent
     subprocess.run([sys.executable, "-c", STOP_SIGNAL_CHECK], check=True, timeout=60,
                    env={**os.environ, "PYTHONPATH": f"{code}{os.pathsep}{code.parent / 'job'}"})
+
+
+def submitted(saver, root, model, state) -> bytes:
+    saver.submit(root, "step-00000001", model, state, {"step": 1}, False, 1)
+    saver.wait()
+    return (root / "step-00000001" / "model.pt").read_bytes()
+
+
+@pytest.mark.parametrize("spare", [1 << 20, -1])
+def test_the_first_save_takes_the_reserved_buffer_when_the_state_fits_and_allocates_one_when_not(tmp_path, spare):
+    model, state = live_state()
+    need = async_save.snapshot_bytes({"model": model, "state": state})
+    saver = async_save.AsyncSaver(torch.device("cpu"), log=lambda line: None)
+    try:
+        saver.reserve(need + spare)
+        written = submitted(saver, tmp_path / "reserved", model, state)
+        # the buffer is the reserved one (its size, not the state's) only when the state fits
+        assert len(saver._buffer) == (need + spare if spare > 0 else need)
+    finally:
+        saver.close()
+    assert written == saved(model), "the same bytes as torch.save of the live state"
+    assert torch.load(tmp_path / "reserved" / "step-00000001" / "state.pt", weights_only=True)["step"] == 7
