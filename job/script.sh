@@ -205,7 +205,9 @@ run_child() {
 
 start_heartbeat() {
   [[ -z "${HEARTBEAT_PID}" ]] || return 0
-  (while true; do touch "${HEALTH_FILE}"; sleep 5; done) &
+  # Not on the log's pipe: a killed loop's orphaned `sleep` would hold it open, and the pod's last
+  # wait for tee (finish) with it, for up to 5 s after every exit.
+  (while true; do touch "${HEALTH_FILE}"; sleep 5; done) >/dev/null 2>&1 &
   HEARTBEAT_PID=$!
 }
 
