@@ -105,6 +105,19 @@ def last_save_seconds(pod) -> float | None:
     return None
 
 
+def sigterm_moments(pod, step: int | None, signalled_at: float) -> dict[str, float]:
+    """Seconds from the SIGTERM to each event of the way out: the trainer's last step, its commit,
+    the step in S3, the pod's exit line."""
+    wanted = {"last_step_at_s": ("step", step), "stopped_at_s": ("stopped", step), "uploaded_at_s": ("uploaded", step),
+              "exit_line_at_s": ("exit", None)}
+    found = {}
+    for key, (kind, at_step) in wanted.items():
+        times = [e["time"] for e in pod.events if e.get("event") == kind and (at_step is None or e.get("step") == at_step)]
+        if times:
+            found[key] = round(times[-1] - signalled_at, 2)
+    return found
+
+
 def bare_torchrun(folder: Path, reps: int) -> float:
     """Median seconds from `torchrun --standalone --nproc_per_node=1` to its worker having imported
     torch (not to torchrun's exit: the pod's figure stops at a step, with torchrun still running)."""
@@ -138,16 +151,17 @@ def measure(s3, endpoint: str, folder: Path, full: bool) -> dict[str, dict]:
         pod_a.delete()
         pod_a.wait(timeout=300)
         raise
-    signalled = time.monotonic()
+    signalled, signalled_at = time.monotonic(), time.time()
     pod_a.delete()
     code = pod_a.wait(timeout=300)
     took = time.monotonic() - signalled
     step = stopped_step(pod_a)
+    moments = sigterm_moments(pod_a, step, signalled_at)
     in_s3 = step is not None and step in run.committed_steps()
     figures["sigterm_to_exit_s"] = figure(
         "sigterm_to_exit_s", took, f"SIGTERM to a training pod's PID 1 to the pod's exit ({which}), the step it "
         f"stopped at committed in S3: {in_s3}", exit_code=code, step=step, manifest_in_s3=in_s3,
-        save_s=last_save_seconds(pod_a), final_upload_s=phase_seconds(pod_a).get("final upload"))
+        save_s=last_save_seconds(pod_a), final_upload_s=phase_seconds(pod_a).get("final upload"), **moments)
     if not in_s3:
         figures["sigterm_to_exit_s"]["meets_aim"] = False
 
