@@ -152,11 +152,3 @@ def test_phase_seconds_are_the_finished_phases():
                 'EVENT {"event": "phase", "source": "script", "name": "restore checkpoint", "state": "done", '
                 '"seconds": 0.5}', "2026-11-23T00:00:00Z script: prose")
     assert phase_seconds(pod) == {"restore checkpoint": 0.5}
-
-
-@pytest.mark.parametrize("size, part", [(100, 16 << 20), (100_000_000, 16 << 20), (1_000_000_000, 125_000_000),
-                                        (1_000_000_001, 125_000_001)])
-def test_get_floor_parts_are_never_more_than_its_threads_for_a_large_object(size, part):
-    from bench_transfer import get_part_size
-
-    assert get_part_size(size) == part
