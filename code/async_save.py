@@ -23,7 +23,8 @@ to the save process over the socket (SCM_RIGHTS) and freed once both processes l
 The buffer's pages cost time when first touched (about 1 s a GB here, a fault per page), and a
 save that touches them holds training meanwhile. So the trainer calls reserve(bytes) after its first
 step: a thread allocates the buffer and touches every page (torch's fill releases the GIL), and the
-first submit() takes that buffer when the state fits, paying only the copy (0.1 s a GB here).
+first submit() takes that buffer when the state fits, paying only the copy (0.1 s a GB here; on
+CUDA the page-locking of the buffer still happens at the first save).
 
 At most one save is in flight: a second submit() waits for the first (and logs how long), rather
 than holding a second copy of the state. The save process dies with the trainer (PR_SET_PDEATHSIG):
@@ -296,14 +297,17 @@ class AsyncSaver:
             return
 
         def allocate() -> None:
+            fd = None
             try:
                 fd = os.memfd_create("checkpoint-snapshot", os.MFD_CLOEXEC)
                 os.ftruncate(fd, nbytes)
                 buffer = mmap.mmap(fd, nbytes)
                 torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).fill_(0)
-            except (OSError, RuntimeError, ValueError) as err:  # submit() allocates, as without it
+            except Exception as err:  # noqa: BLE001 - submit() allocates, as without it
+                if fd is not None:
+                    os.close(fd)
                 self.log(f"warning: could not set {nbytes / 1e6:.0f} MB aside for checkpoint snapshots "
-                         f"({err}); the first save allocates it")
+                         f"({type(err).__name__}: {err}); the first save allocates it")
                 return
             self._reserved = (fd, buffer)
 

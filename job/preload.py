@@ -7,7 +7,9 @@ restores the checkpoint, so each worker's `import torch` (1 to 2 s here, more wi
 that work instead of following it. The worker waits until the file GATE says "go" (written once
 the checkpoint is on disk), then runs TRAINER.py exactly as `python TRAINER.py args...` would:
 as __main__, with its own sys.argv and its folder first on sys.path. The trainer decides nothing
-earlier: it looks for its checkpoint only after the gate opens. A pod that never trains (the run is
+earlier: it looks for its checkpoint only after the gate opens. Settings torch reads when imported
+(TORCH_LOGS, TORCHDYNAMO_*, TORCHINDUCTOR_*) belong in the pod's env, not in the trainer's
+os.environ before its own `import torch`: torch is imported by then. A pod that never trains (the run is
 complete, bad input, a signal) stops torchrun instead, and the worker ends with it.
 """
 
@@ -28,9 +30,12 @@ def preload() -> float:
     """Import what every trainer of this toolkit imports first; return the seconds it took."""
     started = time.monotonic()
     import torch  # noqa: F401 - the point: imported once, here, while the pod restores
-    import torch._dynamo  # noqa: F401 - the first optimizer's __init__ imports it otherwise: 1.3 s here
     import torch.distributed  # noqa: F401
 
+    try:  # the first optimizer's __init__ imports it otherwise: 1.3 s here. Best effort: a build
+        import torch._dynamo  # noqa: F401 - without it still trains
+    except Exception:  # noqa: BLE001
+        pass
     return time.monotonic() - started
 
 

@@ -205,9 +205,9 @@ run_child() {
 
 start_heartbeat() {
   [[ -z "${HEARTBEAT_PID}" ]] || return 0
-  # Not on the log's pipe: a killed loop's orphaned `sleep` would hold it open, and the pod's last
-  # wait for tee (finish) with it, for up to 5 s after every exit.
-  (while true; do touch "${HEALTH_FILE}"; sleep 5; done) >/dev/null 2>&1 &
+  # The sleep not on the log's pipe: killed, the loop leaves it behind, and it would hold the pipe
+  # open, and the pod's last wait for tee (finish) with it, for up to 5 s after every exit.
+  (while true; do touch "${HEALTH_FILE}"; sleep 5 >/dev/null 2>&1; done) &
   HEARTBEAT_PID=$!
 }
 
@@ -749,7 +749,7 @@ mark_ready() {
   event ready seconds="$(seconds_since "${STARTED_MS}")"
 }
 
-trainer_gate() { echo "${STATE_DIR}/trainer-gate"; }
+trainer_gate() { echo "${STATE_DIR}/trainer-gate-${POD_TOKEN}"; }  # this pod's: a WORK_DIR may be shared
 
 # torchrun starts before the lease and the restore (one pod): its workers import torch meanwhile
 # and wait at job/preload.py's gate, which opens once the checkpoint is on disk. A group starts it
@@ -822,13 +822,23 @@ run_trainer() {
 
 # -- the end, whatever it is --------------------------------------------------------------------
 
+# A trainer still at the gate goes at once: waited for (10 s at most), so torchrun's report of the
+# stop comes before the pod's last lines and no worker holds the log's pipe.
+stop_trainer() {
+  [[ -n "${TRAINER_PID}" ]] || return 0
+  kill -s TERM "${TRAINER_PID}" 2>/dev/null || true
+  ((!TRAINER_RELEASED)) || return 0
+  local tries=0
+  while kill -0 "${TRAINER_PID}" 2>/dev/null && ((tries++ < 100)); do sleep 0.1; done
+}
+
 finish() {
   local code=$?
   trap '' TERM INT  # the grace period is for this final upload: no second interruption
   # lease.py may have taken the lease and been stopped before it could say so.
   [[ ! -f "${STATE_DIR:-/nonexistent}/${LEASE_STATE}" ]] || LEASE_HELD=1
   stop_heartbeat
-  [[ -z "${TRAINER_PID}" ]] || kill -s TERM "${TRAINER_PID}" 2>/dev/null || true
+  stop_trainer
   if ((LEASE_HELD)); then
     start_heartbeat
     stop_uploader

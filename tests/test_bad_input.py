@@ -241,6 +241,9 @@ def test_bad_input_gets_one_line_the_right_exit_code_and_s3_keeps_what_it_had(la
     for secret in case.never_shown:
         assert secret not in pod.output
     errors = [line for line in pod.lines if re.search(r"\berror: ", line)]
+    exits = [i for i, line in enumerate(pod.lines) if '"event": "exit"' in line]  # none: stopped before the log
+    assert not exits or [line for line in pod.lines[exits[-1] + 1:] if not line.startswith("local_pod:")] == [], \
+        "the exit line is the pod's last: nothing (torchrun's report of a stop) comes after it"
     if case.code == 64:
         assert len(errors) == 1, errors
         assert case.message in errors[0]
