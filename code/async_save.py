@@ -199,6 +199,17 @@ def snapshot_bytes(obj) -> int:
     return plan(storages)[1]
 
 
+def _new_buffer(nbytes: int) -> tuple[int, mmap.mmap]:
+    """A memfd of `nbytes` and its shared mapping (the save process maps the same fd)."""
+    fd = os.memfd_create("checkpoint-snapshot", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        return fd, mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def bytes_over(buffer, place: Layout) -> torch.Tensor:
     """A uint8 tensor of its own storage (torch.save writes only these bytes) over part of `buffer`."""
     if place.nbytes == 0:
@@ -299,9 +310,7 @@ class AsyncSaver:
         def allocate() -> None:
             fd = None
             try:
-                fd = os.memfd_create("checkpoint-snapshot", os.MFD_CLOEXEC)
-                os.ftruncate(fd, nbytes)
-                buffer = mmap.mmap(fd, nbytes)
+                fd, buffer = _new_buffer(nbytes)
                 torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).fill_(0)
             except Exception as err:  # noqa: BLE001 - submit() allocates, as without it
                 if fd is not None:
@@ -396,9 +405,7 @@ class AsyncSaver:
         if reserved is not None:
             self._fd, self._buffer = reserved
         else:
-            self._fd = os.memfd_create("checkpoint-snapshot", os.MFD_CLOEXEC)
-            os.ftruncate(self._fd, size)
-            self._buffer = mmap.mmap(self._fd, size)
+            self._fd, self._buffer = _new_buffer(size)
         self._layout = layout
         self._targets = [bytes_over(self._buffer, place) for place in layout]
         if self.device.type == "cuda":
