@@ -14,6 +14,7 @@ import os
 import queue
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -391,6 +392,24 @@ def local_s3(buckets=(BUCKET,), port: int = 0, set_environ: bool = True):
         yield endpoint
     finally:
         server.stop()
+
+
+def free_ports(count: int = 1) -> int:
+    """P with P .. P+count-1 free to listen on, below the kernel's ephemeral range: a port from that
+    range (what bind(0) hands out) may be taken, between this check and a pod's bind, by any outgoing
+    connection (the pods' S3 clients open hundreds), and torchrun's store then fails with EADDRINUSE."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if ephemeral_low - count < 10000:
+        raise RuntimeError(f"no ports to test with below net.ipv4.ip_local_port_range ({ephemeral_low})")
+    while True:
+        port = random.randint(10000, ephemeral_low - count)
+        try:
+            for candidate in range(port, port + count):
+                with socket.socket() as probe:
+                    probe.bind(("0.0.0.0", candidate))
+        except OSError:
+            continue
+        return port
 
 
 def wait_until(condition, timeout: float, interval: float = 0.2):

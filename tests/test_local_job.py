@@ -8,7 +8,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ import pytest
 import yaml
 
 import local_job
-from podlab import ROOT, Run
+from podlab import ROOT, Run, free_ports
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="local_pod needs root for namespaces and mounts"),
@@ -100,11 +99,6 @@ for _ in range(300):
         time.sleep(0.1)
 print("received", connection.recv(100).decode(), "from", connection.getpeername()[0], flush=True)
 """
-def free_port() -> int:
-    """A port no one listens on now (a fixed one may be another test's: a torchrun binds 0.0.0.0)."""
-    with socket.socket() as probe:
-        probe.bind(("0.0.0.0", 0))
-        return probe.getsockname()[1]
 
 
 IDENTITY = """
@@ -115,7 +109,7 @@ if [ "$$JOB_COMPLETION_INDEX" = 0 ]; then exec python3 -c "$$SERVER"; else exec 
 
 
 def test_pods_know_their_index_and_reach_each_other_by_name(tmp_path, jobs, first_ip):
-    path = write_job(tmp_path, IDENTITY, env=[("SERVER", SERVER), ("CLIENT", CLIENT), ("PORT", str(free_port()))])
+    path = write_job(tmp_path, IDENTITY, env=[("SERVER", SERVER), ("CLIENT", CLIENT), ("PORT", str(free_ports()))])
     job = start(jobs, path, first_ip)
     assert job.wait(40) == ("Complete", "CompletionsReached"), job.output(0) + job.output(1)
     ip0 = first_ip

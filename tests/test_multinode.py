@@ -5,7 +5,6 @@ torchrun (c10d rendezvous, gloo) with 1 process each, one lease, one writer, one
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,27 +13,13 @@ from pathlib import Path
 import pytest
 
 from helpers import train_command, train_env
-from podlab import ROOT, Run, wait_until, write_config, write_corpus
+from podlab import ROOT, Run, free_ports, wait_until, write_config, write_corpus
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")]
 local_job = pytest.importorskip("local_job")
 
 STEPS = 120  # ~50 ms a step here: long enough that a kill lands while the group trains
 GROUP_CONFIG = {"train__max_steps": STEPS, "checkpoint__interval": 5, "log__interval": 1}
-
-
-def free_port_pair() -> int:
-    """A port for the rendezvous whose next one (node 0's answer) is free too: the pods share this
-    machine's ports, and another run here may hold 29400."""
-    while True:
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("", 0))
-            port = first.getsockname()[1]
-            try:
-                second.bind(("", port + 1))
-            except OSError:
-                continue
-            return port
 
 
 def render(folder: Path, name: str, port: int) -> Path:
@@ -52,7 +37,7 @@ STARTED: list = []
 
 
 def start_group(run: Run, name: str, **env: str):
-    job = local_job.IndexedJob(render(run.folder, name, free_port_pair()), env=run.env(**env))
+    job = local_job.IndexedJob(render(run.folder, name, free_ports(2)), env=run.env(**env))
     STARTED.append(job)
     job.start()
     return job

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from podlab import ROOT, Run
+from podlab import ROOT, Run, free_ports
 from test_multinode import GROUP_CONFIG, STEPS, one_pod_two_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")]
@@ -26,26 +25,13 @@ local_job = pytest.importorskip("local_job")
 _reference: dict[str, bytes] = {}
 
 
-def free_port_pair() -> int:
-    """A port P with P and P + 1 free (the rendezvous and node 0's answer): pods share the host's network."""
-    while True:
-        port = random.randint(30000, 60000)
-        try:
-            for candidate in (port, port + 1):
-                with socket.socket() as probe:
-                    probe.bind(("0.0.0.0", candidate))
-        except OSError:
-            continue
-        return port
-
-
 def render(run: Run, engine: str, name: str) -> Path:
     """`scripts/submit.py NAME --engine ENGINE --nodes 2` for this run, on a port of its own."""
     stream = subprocess.run([sys.executable, str(ROOT / "scripts" / "submit.py"), name, "--image", "local",
                              "--code", run.code_uri, "--data", run.data_uri, "--output", run.output_uri,
                              "--engine", engine, "--nodes", "2", "--gpus-per-node", "1"],
                             check=True, capture_output=True, text=True).stdout
-    port = str(free_port_pair())
+    port = str(free_ports(2))
     rendered = stream.replace(":29400", f":{port}") if engine == "jobset" else \
         stream.replace("containerPort: 23456", f"containerPort: {port}")
     assert rendered != stream, "the port to replace is where it was"

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from podlab import BUCKET, ROOT, Run, tool_env, wait_until
+from podlab import BUCKET, ROOT, Run, free_ports, tool_env, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")]
 
@@ -129,7 +128,7 @@ class TensorBoard:
     """scripts/tensorboard.sh as a process, and TensorBoard's HTTP API."""
 
     def __init__(self, uri: str, *args: str, env: dict | None = None):
-        self.port = free_port()
+        self.port = free_ports()
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([str(TENSORBOARD), uri, "--port", str(self.port), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -417,7 +416,7 @@ def test_status_names_bad_input_in_one_line_and_exits_64(lab, uri, cause):
 
 
 def test_status_exits_75_when_s3_is_unreachable(lab):
-    result = run_status(RUNS, env={**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"})
+    result = run_status(RUNS, env={**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_ports()}"})
     assert result.returncode == 75
     assert "S3 unreachable" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
@@ -476,9 +475,3 @@ def status_of(*args: str):
     result = run_status(*args)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout) if "--json" in args else result.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -1,11 +1,14 @@
 """The local Job controller's podFailurePolicy decision (lab/local_job.py), and what local_pod.py
 gives a pod of an Indexed Job (its name, hostname, index, address, /etc/hosts). No root."""
 
+import socket
+
 import pytest
 import yaml
 
 import local_job
 import local_pod
+import podlab
 from local_job import PodFailure, decide
 
 # submit.py --engine indexed's rules: preemption ignored, bad input fails the Job, a peer's loss ignored.
@@ -389,3 +392,15 @@ def test_refused_pytorchjobs(tmp_path, change, message):
     path.write_text(yaml.safe_dump(job))
     with pytest.raises(local_pod.BadInput, match=message):
         local_job.PyTorchJobRun(path, folder=tmp_path / "pods")
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_free():
+    """A port from the ephemeral range can be an S3 client's by the time a pod binds it (a PyTorchJob
+    run failed in CI with the master's store unable to start): the lab hands out only lower ones."""
+    ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for _ in range(50):
+        port = podlab.free_ports(2)
+        assert 10000 <= port and port + 1 < ephemeral_low
+        for candidate in (port, port + 1):
+            with socket.create_server(("0.0.0.0", candidate)):
+                pass
