@@ -79,6 +79,16 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
+    @classmethod
+    def empty(cls, cfg: ModelConfig, device: torch.device) -> "GPT":
+        """The model with its weights allocated on `device` but never drawn, for a checkpoint to fill:
+        drawing them costs 1.5 s of every restart at 124M here (on the CPU, even for a GPU run)."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.to_empty(device=device)
+        model.transformer.wte.weight = model.lm_head.weight  # to_empty gave each of the two its own tensor
+        return model
+
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)

@@ -284,12 +284,8 @@ class Trainer:
         self.start_step: int | None = None  # set once loaded: steps past it were trained here
         self.started = time.monotonic()
 
-        torch.manual_seed(cfg.train.seed)  # the same initial weights on every process
-        self.raw_model = GPT(cfg.model).to(rt.device)
-        self.optimizer = self.raw_model.make_optimizer(
-            cfg.train.weight_decay, cfg.train.learning_rate, (cfg.train.beta1, cfg.train.beta2),
-            rt.device.type)
-        torch.manual_seed(cfg.train.seed + 1 + rt.rank)  # dropout draws differ per process
+        self.raw_model: GPT | None = None  # built by load(), once it knows whether a checkpoint fills it
+        self.optimizer: torch.optim.Optimizer | None = None
         self.writer = None
         self.saver = (AsyncSaver(rt.device, log, self.heartbeat.beat, on_commit=report_checkpoint)
                       if cfg.checkpoint.async_save and rt.master else None)
@@ -297,7 +293,18 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Continue from the newest valid checkpoint, if there is one."""
+        """Build the model and continue from the newest valid checkpoint, if there is one."""
+        name = self._checkpoint_to_resume()
+        self._build(resuming=name is not None)
+        if name is None:
+            if self.rt.master:
+                log("no committed checkpoint: starting from step 0")
+                event("resumed", step=0, name=None, seconds=0.0)
+            return
+        self._load_from(self.ckpt_root / name)
+
+    def _checkpoint_to_resume(self) -> str | None:
+        """Rank 0's choice, the same on every process."""
         name = None
         if self.rt.master:
             checkpoint.remove_staging_leftovers(self.ckpt_root)
@@ -308,12 +315,17 @@ class Trainer:
             dist.broadcast_object_list(box, src=0)
             name = box[0]
             self._check_every_rank_has(name)
-        if name is None:
-            if self.rt.master:
-                log("no committed checkpoint: starting from step 0")
-                event("resumed", step=0, name=None, seconds=0.0)
-            return
-        self._load_from(self.ckpt_root / name)
+        return name
+
+    def _build(self, resuming: bool) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.train.seed)  # the same initial weights on every process
+        self.raw_model = (GPT.empty(cfg.model, self.rt.device) if resuming
+                          else GPT(cfg.model).to(self.rt.device))
+        self.optimizer = self.raw_model.make_optimizer(
+            cfg.train.weight_decay, cfg.train.learning_rate, (cfg.train.beta1, cfg.train.beta2),
+            self.rt.device.type)
+        torch.manual_seed(cfg.train.seed + 1 + self.rt.rank)  # dropout draws differ per process
 
     def _check_every_rank_has(self, name: str | None) -> None:
         """In a group of pods each node restored node 0's choice from S3; one that has another
