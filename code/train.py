@@ -282,6 +282,7 @@ class Trainer:
         self.train_loss = None
         self.speed: dict = {}
         self.start_step: int | None = None  # set once loaded: steps past it were trained here
+        self.hashed_by = "trainer"  # who hashed the checkpoint resumed from against its manifest
         self.started = time.monotonic()
 
         self.raw_model: GPT | None = None  # built by load(), once it knows whether a checkpoint fills it
@@ -308,8 +309,10 @@ class Trainer:
         name = None
         if self.rt.master:
             checkpoint.remove_staging_leftovers(self.ckpt_root)
-            folder = checkpoint.newest_valid(self.ckpt_root, on_skip=self._drop_bad_checkpoint)
+            verified = checkpoint.read_verified(os.environ.get("RESTORE_VERIFIED_FILE"))  # the pod's restore
+            folder = checkpoint.newest_valid(self.ckpt_root, on_skip=self._drop_bad_checkpoint, verified=verified)
             name = folder.name if folder else None
+            self.hashed_by = "restore" if folder and checkpoint.is_verified(folder, verified) else "trainer"
         if self.rt.ddp:
             box = [name]
             dist.broadcast_object_list(box, src=0)
@@ -368,7 +371,8 @@ class Trainer:
         self.train_loss = state.get("train_loss")
         if self.rt.master:
             log(f"resumed from {folder.name} (step {self.step}) in {time.monotonic() - started:.1f}s")
-            event("resumed", step=self.step, name=folder.name, seconds=round(time.monotonic() - started, 3))
+            event("resumed", step=self.step, name=folder.name, seconds=round(time.monotonic() - started, 3),
+                  hashed_by=self.hashed_by)
             if self.best_step == self.step:
                 # A pod that died between committing this step and linking it as best/ left best/ behind.
                 self._link_best(folder)

@@ -88,6 +88,8 @@ POD_LOG = "pod.log"
 TRAINER_ERROR = "trainer-error.json"  # TORCHELASTIC_ERROR_FILE: the worker's exit code and message
 READY_FILE_DEFAULT = "/tmp/ready"     # startup probe: touched once restored
 HEALTH_FILE_DEFAULT = "/tmp/healthy"  # liveness probe: the trainer's heartbeat (train.py: every 2 s)
+# $RESTORE_VERIFIED_FILE (restore-verified-<pod>.json): the checkpoint restore.py just hashed against
+# its manifest (checkpoint.note_verified); a trainer MAY check that one by size only (read_verified).
 
 # -- the run's objects in S3, under S3_OUTPUT_URI ----------------------------------------------
 
@@ -114,7 +116,8 @@ LOGS_PREFIX = "logs/"             # logs/attempt-NNNN-POD/NNNNNNNN.log
 # The trainer's (source "train", whichever trainer: train.py, hf_resume.py; global rank 0 alone prints
 # them, so each comes once however many processes train):
 #   resumed     step, name, seconds   training starts at `step` from checkpoint `name` (null: from
-#               step 0, nothing loaded), loaded in `seconds`
+#               step 0, nothing loaded), loaded in `seconds`; train.py adds hashed_by ("restore": the
+#               pod's restore hashed it, the trainer checked sizes; "trainer")
 #   step        step, max_steps, loss, ms_per_step, tokens_per_s (mfu when the GPU's peak is known): at
 #               each log line (log.interval) and the last step; loss is the mean over processes, null
 #               when not finite; speeds are over the steps since the last such line

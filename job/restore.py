@@ -18,6 +18,10 @@ the staging folder. A checkpoint that cannot fit on the local disk is bad input.
 checkpoint (listing, reading and judging its manifest, fetching) is remote_checkpoints.py; this
 file chooses which step, and what to do when one is damaged or not there yet.
 
+With RESTORE_VERIFIED_FILE set, the checkpoint restored (hashed against its manifest here, whether
+fetched or found whole on disk) is recorded there (checkpoint.note_verified): the trainer started
+next checks that one by size only instead of hashing it all again.
+
 Exit 0 (restored, or nothing to restore), 64 (bad input), 75 (S3 unreachable).
 """
 
@@ -100,6 +104,8 @@ def main(argv: list[str]) -> int:
             name = restore_named(s3lib.client(), run_uri, out, argv[3], wait)
         else:
             name = restore(s3lib.client(), run_uri, out)
+        if name and os.environ.get("RESTORE_VERIFIED_FILE"):
+            checkpoint.note_verified(Path(os.environ["RESTORE_VERIFIED_FILE"]), out / "checkpoints" / name)
         # The step the trainer goes on from (null: step 0); tools wait on this, not the prose.
         contract.event("restore", "restore", step=checkpoint.parse_step(name) if name else None, name=name)
         return 0

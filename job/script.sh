@@ -443,7 +443,9 @@ validate_settings() {
   mkdir -p "${DATA_DIR}" "${OUTPUT_DIR}" "${STATE_DIR}" "${TMPDIR}"
   rm -f "${STATE_DIR}/${LEASE_STATE}"  # an earlier pod's, on a WORK_DIR that outlives pods
   check_train_args
-  export WORK_DIR CODE_DIR STATE_DIR LOG_FILE HEALTH_FILE TMPDIR
+  # restore.py names the checkpoint it just hashed here; the trainer then checks it by size only.
+  RESTORE_VERIFIED_FILE=${STATE_DIR}/restore-verified-${POD_TOKEN}.json  # this pod's, never an earlier one's
+  export WORK_DIR CODE_DIR STATE_DIR LOG_FILE HEALTH_FILE TMPDIR RESTORE_VERIFIED_FILE
   export PYTHONUNBUFFERED=1
 }
 
@@ -839,6 +841,8 @@ finish() {
   [[ ! -f "${STATE_DIR:-/nonexistent}/${LEASE_STATE}" ]] || LEASE_HELD=1
   stop_heartbeat
   stop_trainer
+  # This pod's own files go with it: a WORK_DIR may outlive pods.
+  [[ -z "${STATE_DIR:-}" ]] || rm -f "$(trainer_gate)" "${RESTORE_VERIFIED_FILE:-}"
   if ((LEASE_HELD)); then
     start_heartbeat
     stop_uploader

@@ -79,6 +79,8 @@ def test_sigkill_then_next_pod_resumes_from_newest_committed_step_and_completes(
     code, second = run.run()
     assert code == 0, second.output
     assert f"resumed from step-{committed[0]:08d}" in second.output
+    assert [e["hashed_by"] for e in second.events if e["event"] == "resumed"] == ["restore"], \
+        "restore.py hashed what it fetched; the trainer checked its sizes, not every byte again"
     assert run.json("COMPLETE")["attempts"] == 2
     attempts = run.json("status.json")["attempts"]
     assert attempts[0]["lost"] and attempts[1]["exit_code"] == 0

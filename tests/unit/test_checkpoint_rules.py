@@ -181,3 +181,43 @@ def test_torch_older_than_2_6_may_not_load_a_checkpoint(version, ok):
     assert (problem is None) is ok
     if problem:
         assert version in problem and "torch>=2.6" in problem and "\n" not in problem
+
+
+def test_the_folder_restore_just_hashed_is_checked_by_size_only_and_no_other(tmp_path):
+    older, newer = tmp_path / "step-00000005", tmp_path / "step-00000010"
+    write_checkpoint(older)
+    write_checkpoint(newer)
+    record = tmp_path / "restore-verified.json"
+    checkpoint.note_verified(record, newer)
+    (newer / "model.pt").write_bytes(b"WEIGHTS")  # same size, other bytes: only a hash sees it
+    verified = checkpoint.read_verified(record)
+    assert checkpoint.is_verified(newer, verified) and not checkpoint.is_verified(older, verified)
+    assert checkpoint.newest_valid(tmp_path, verified=verified) == newer, "not hashed again"
+    skipped = []
+    assert checkpoint.newest_valid(tmp_path, on_skip=lambda f, p: skipped.append((f, p))) == older
+    assert skipped == [(newer, "model.pt does not match its sha256 in the manifest")]
+
+
+def test_a_record_of_an_earlier_commit_of_the_same_name_vouches_for_nothing(tmp_path):
+    folder = tmp_path / "step-00000005"
+    write_checkpoint(folder)
+    record = tmp_path / "restore-verified.json"
+    checkpoint.note_verified(record, folder)
+    checkpoint.discard(folder)
+    with checkpoint.stage(folder) as staged:  # saved again: another manifest (committed_at differs)
+        with staged.open("model.pt") as file:
+            file.write(b"weights")
+        staged.commit(meta={"step": 5, "again": True})
+    (folder / "model.pt").write_bytes(b"WEIGHTS")
+    assert not checkpoint.is_verified(folder, checkpoint.read_verified(record))
+    assert checkpoint.newest_valid(tmp_path, verified=checkpoint.read_verified(record)) is None
+
+
+@pytest.mark.parametrize("content", [None, "", "not json", "[]", '{"name": "step-00000005"}',
+                                     '{"name": 5, "manifest_sha256": "x"}'])
+def test_read_verified_takes_only_what_note_verified_writes(tmp_path, content):
+    path = tmp_path / "record.json"
+    if content is not None:
+        path.write_text(content)
+    assert checkpoint.read_verified(path) is None
+    assert checkpoint.read_verified(None) is None
