@@ -156,3 +156,17 @@ def test_the_last_step_is_always_saved_whatever_the_save_strategy(step, saves):
     args = TrainingArguments(output_dir="unused", save_strategy="no", report_to=[])
     control = callback.on_step_end(args, state, TrainerControl())
     assert control.should_save is saves
+
+
+def test_resume_checks_the_folder_the_pods_restore_hashed_by_size_only(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    for step in (5, 10):
+        hf_resume.commit_trainer_save(trainer_save(tmp_path, step, {"m": bytes([step])}), root, step, {})
+    newest = root / "step-00000010"
+    (newest / "m").write_bytes(b"X")  # same size, other bytes
+    record = tmp_path / "restore-verified.json"
+    checkpoint.note_verified(record, newest)
+    monkeypatch.setenv("RESTORE_VERIFIED_FILE", str(record))
+    assert hf_resume.newest_committed(tmp_path) == newest
+    monkeypatch.delenv("RESTORE_VERIFIED_FILE")
+    assert hf_resume.newest_committed(tmp_path) == root / "step-00000005", "hashed in full: the damage seen"
