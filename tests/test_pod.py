@@ -130,8 +130,8 @@ def test_checkpoint_in_s3_without_manifest_is_ignored(run, reference_sha):
 
 
 def test_stale_heartbeat_fails_the_liveness_probe_and_kills_the_pod(run, tmp_path):
-    job = scaled_job_yaml(tmp_path, period=1, failure=2, grace=10)
-    pod = run.start(job, HEALTH_MAX_AGE_SECONDS="15", TRAIN_ARGS="--set train.max_steps=100000 --set log.interval=1")
+    job = scaled_job_yaml(tmp_path, period=1, failure=2, grace=3)
+    pod = run.start(job, HEALTH_MAX_AGE_SECONDS="10", TRAIN_ARGS="--set train.max_steps=100000 --set log.interval=1")
     pod.wait_for_event("step", step=5)
     hung = trainer_pids(pod.pid1())
     assert hung

@@ -68,14 +68,14 @@ def test_ten_percent_faults_and_an_outage_lose_nothing(run, s3_endpoint):
 def test_s3_down_from_the_start_gives_up_after_the_bound_with_exit_75(run, s3_endpoint):
     with FaultProxy(upstream=s3_endpoint, seed=1) as proxy:
         proxy.configure(outage=True)
-        pod = through(run, proxy).start(S3_RETRY_SECONDS="15")
+        pod = through(run, proxy).start(S3_RETRY_SECONDS="8")
         code = pod.wait(timeout=120)
         requests = proxy.stats()["total"]
     assert code == 75, pod.output
     errors = [l for l in pod.lines if "error:" in l]
     # The bound is checked between attempts: one AWS CLI attempt (with its own retries) may overshoot it.
-    tried = re.search(r"S3 still failing after (\d+)s of retries \(S3_RETRY_SECONDS=15\)", errors[0]) if errors else None
-    assert len(errors) == 1 and tried and int(tried.group(1)) >= 15, errors
+    tried = re.search(r"S3 still failing after (\d+)s of retries \(S3_RETRY_SECONDS=8\)", errors[0]) if errors else None
+    assert len(errors) == 1 and tried and int(tried.group(1)) >= 8, errors
     assert requests < 60, f"{requests} requests in {tried.group(1)}s: that is a hot loop"
     assert run.keys() == {}
 
