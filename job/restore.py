@@ -56,12 +56,29 @@ def restore(s3, run: Location, out: Path) -> str | None:
         if checkpoint.verify(local_root / name) is None:
             log("restore", f"{name} is already here and whole")
             return name
+        discard_damaged(local_root / name)
         problem = remote_checkpoints.fetch(s3, remote, name, manifest, local_root, retry)
         if problem is None:
             return name
         log("restore", f"warning: {name} in S3 is damaged ({problem}); trying the one before it")
     log("restore", f"no committed checkpoint in {remote}: the trainer starts from step 0")
     return None
+
+
+def discard_damaged(folder: Path) -> None:
+    """A local copy that failed its hash goes before the fetch: a commit would keep it over the
+    fresh, verified download."""
+    if folder.is_dir():
+        log("restore", f"warning: {folder.name} here does not match its manifest; fetching it again")
+        checkpoint.discard(folder)
+
+
+def note_verified(out: Path, name: str) -> None:
+    """Best effort: without the record the trainer hashes the checkpoint in full."""
+    try:
+        checkpoint.note_verified(Path(os.environ["RESTORE_VERIFIED_FILE"]), out / "checkpoints" / name)
+    except OSError as err:
+        log("restore", f"warning: could not record {name} as verified ({err.strerror}); the trainer hashes it again")
 
 
 def restore_named(s3, run: Location, out: Path, name: str, wait_seconds: float) -> str | None:
@@ -76,6 +93,7 @@ def restore_named(s3, run: Location, out: Path, name: str, wait_seconds: float) 
     if checkpoint.verify(out / "checkpoints" / name) is None:
         log("restore", f"{name} is already here and whole")
         return name
+    discard_damaged(out / "checkpoints" / name)
     deadline = time.monotonic() + wait_seconds
     while True:
         manifest, problem = remote_checkpoints.manifest_of(s3, remote, name, retry)
@@ -105,7 +123,7 @@ def main(argv: list[str]) -> int:
         else:
             name = restore(s3lib.client(), run_uri, out)
         if name and os.environ.get("RESTORE_VERIFIED_FILE"):
-            checkpoint.note_verified(Path(os.environ["RESTORE_VERIFIED_FILE"]), out / "checkpoints" / name)
+            note_verified(out, name)
         # The step the trainer goes on from (null: step 0); tools wait on this, not the prose.
         contract.event("restore", "restore", step=checkpoint.parse_step(name) if name else None, name=name)
         return 0
