@@ -73,7 +73,7 @@ def discard_damaged(folder: Path) -> None:
         checkpoint.discard(folder)
 
 
-def note_verified(out: Path, name: str) -> None:
+def record_verified(out: Path, name: str) -> None:
     """Best effort: without the record the trainer hashes the checkpoint in full."""
     try:
         checkpoint.note_verified(Path(os.environ["RESTORE_VERIFIED_FILE"]), out / "checkpoints" / name)
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
         else:
             name = restore(s3lib.client(), run_uri, out)
         if name and os.environ.get("RESTORE_VERIFIED_FILE"):
-            note_verified(out, name)
+            record_verified(out, name)
         # The step the trainer goes on from (null: step 0); tools wait on this, not the prose.
         contract.event("restore", "restore", step=checkpoint.parse_step(name) if name else None, name=name)
         return 0

@@ -41,6 +41,7 @@
 # (the pod's name in logs and the lease), PIP_* (pip), PYTHONPATH (the runtime's folder is added).
 # Set here for the helpers: CODE_DIR, STATE_DIR, LOG_FILE, TORCHELASTIC_ERROR_FILE, PYTHONUNBUFFERED,
 # TMPDIR (WORK_DIR/.tmp: torch's compile files and other temp files on the workspace, not the small /tmp).
+# RESTORE_VERIFIED_FILE (STATE_DIR/restore-verified-<pod>.json: the checkpoint restore.py just hashed).
 # Everything printed, and the log uploaded to S3, has URL credentials hidden (redact.sed).
 #
 # Exit codes: 0 done (COMPLETE written), 64 bad input (the Job must not retry), 75 S3 or the
