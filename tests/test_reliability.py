@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 import string
 import threading
 import time
@@ -190,6 +191,37 @@ def test_restore_skips_a_manifest_of_the_wrong_shape_and_takes_the_one_before(s3
     s3.put_object(Bucket=BUCKET, Key="shapes/checkpoints/step-00000010/manifest.json", Body=manifest)
     assert restorelib.restore(s3, where, tmp_path / "out") == "step-00000005"
     assert checkpoint.verify(tmp_path / "out" / "checkpoints" / "step-00000005") is None
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["newest", "--step"])
+def test_a_damaged_local_copy_is_replaced_by_s3s_and_only_the_whole_one_is_recorded(
+        s3, tmp_path, monkeypatch, named):
+    where = s3lib.Location.parse(f"s3://{BUCKET}/damaged/")
+    made = tmp_path / "made" / "step-00000005"
+    with checkpoint.stage(made) as staged:
+        with staged.open("model.pt") as file:
+            file.write(b"weights" * 1000)
+        staged.commit(meta={"step": 5})
+    for path in made.iterdir():
+        s3.put_object(Bucket=BUCKET, Key=f"damaged/checkpoints/step-00000005/{path.name}", Body=path.read_bytes())
+    out = tmp_path / "out"
+    local = out / "checkpoints" / "step-00000005"
+    local.parent.mkdir(parents=True)
+    shutil.copytree(made, local)
+    damaged = bytearray((local / "model.pt").read_bytes())
+    damaged[100] ^= 0xFF  # the same size: only a hash tells
+    (local / "model.pt").write_bytes(bytes(damaged))
+    assert checkpoint.verify(local, full=False) is None and checkpoint.verify(local) is not None
+
+    name = restorelib.restore_named(s3, where, out, "step-00000005", 0) if named else restorelib.restore(s3, where, out)
+    monkeypatch.setenv("RESTORE_VERIFIED_FILE", str(tmp_path / "verified.json"))
+    restorelib.record_verified(out, name)
+
+    assert name == "step-00000005"
+    assert checkpoint.verify(local) is None, "the fetched copy replaced the damaged one"
+    verified = checkpoint.read_verified(tmp_path / "verified.json")
+    assert checkpoint.is_verified(local, verified)
+    assert checkpoint.newest_valid(out / "checkpoints", verified=verified) == local
 
 
 def test_restore_fetches_files_side_by_side_and_stops_at_the_first_problem_in_name_order():
