@@ -37,6 +37,7 @@ import collections
 import contextlib
 import ctypes
 import errno
+import gc
 import mmap
 import multiprocessing
 import os
@@ -477,6 +478,9 @@ def _serve(conn, trainer_pid: int) -> None:
         except (EOFError, OSError):
             return  # the trainer is gone
         if message[0] == "stop":
+            # Every save was answered after its commit: nothing is left to flush. The interpreter's
+            # last garbage collection over torch's objects cost 0.6 s of every trainer's exit.
+            gc.freeze()
             return
         if message[0] == "buffer":
             fd = reduction.recv_handle(conn)

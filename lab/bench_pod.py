@@ -14,6 +14,7 @@ The trainer's progress is read from its EVENT lines (job/contract.py: `resumed`,
 from __future__ import annotations
 
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -21,8 +22,9 @@ import time
 from pathlib import Path
 
 from bench_report import figure, unmeasured
+from bench_transfer import delete_prefix, timed
 from measure_lease import restart_after_lost_node
-from podlab import ROOT, Run, contract, tool_env
+from podlab import BUCKET, ROOT, VENV_BIN, Run, checkpoint, contract, tool_env
 
 LONG = ("--set train.max_steps=100000 --set log.interval=1 --set checkpoint.interval=100000 "
         "--set eval.interval=100000")
@@ -118,6 +120,20 @@ def sigterm_moments(pod, step: int | None, signalled_at: float) -> dict[str, flo
     return found
 
 
+def plain_upload_seconds(s3, run: Run, name: str, folder: Path) -> float:
+    """The floor of a stop: `s5cmd cp` of the same checkpoint from this disk to the same S3. Its
+    bytes come from S3 first (the pod's emptyDir went with it), so they sit in the page cache, as
+    a save's bytes do."""
+    s5cmd, env = str(VENV_BIN / "s5cmd"), {**tool_env(), "S3_ENDPOINT_URL": run.endpoint}
+    local, floor_prefix = folder / "sigterm-floor", f"bench/sigterm-floor/{name}/"
+    timed([s5cmd, "cp", f"s3://{BUCKET}/{run.prefix}checkpoints/{name}/*", f"{local}/"], env)
+    try:
+        return timed([s5cmd, "cp", f"{local}/*", f"s3://{BUCKET}/{floor_prefix}"], env)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+        delete_prefix(s3, floor_prefix)  # moto holds every byte in this process
+
+
 def bare_torchrun(folder: Path, reps: int) -> float:
     """Median seconds from `torchrun --standalone --nproc_per_node=1` to its worker having imported
     torch (not to torchrun's exit: the pod's figure stops at a step, with torchrun still running)."""
@@ -158,9 +174,11 @@ def measure(s3, endpoint: str, folder: Path, full: bool) -> dict[str, dict]:
     step = stopped_step(pod_a)
     moments = sigterm_moments(pod_a, step, signalled_at)
     in_s3 = step is not None and step in run.committed_steps()
+    floor = plain_upload_seconds(s3, run, checkpoint.step_dir_name(step), folder) if in_s3 else None
     figures["sigterm_to_exit_s"] = figure(
         "sigterm_to_exit_s", took, f"SIGTERM to a training pod's PID 1 to the pod's exit ({which}), the step it "
-        f"stopped at committed in S3: {in_s3}", exit_code=code, step=step, manifest_in_s3=in_s3,
+        f"stopped at committed in S3: {in_s3}; floor: `s5cmd cp` of that step's files from a local disk to the "
+        f"same S3", floor, exit_code=code, step=step, manifest_in_s3=in_s3,
         save_s=last_save_seconds(pod_a), final_upload_s=phase_seconds(pod_a).get("final upload"), **moments)
     if not in_s3:
         figures["sigterm_to_exit_s"]["meets_aim"] = False

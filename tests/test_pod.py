@@ -153,7 +153,7 @@ def trainer_pids(pid1: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        is_worker = any(p.endswith(b"train.py") for p in cmdline) and b"torch.distributed.run" not in cmdline
+        is_worker = any(p.endswith(b"train.py") for p in cmdline) and not any(p.endswith(b"torchrun.py") for p in cmdline)
         if is_worker and _descends_from(int(entry.name), pid1):
             found.append(int(entry.name))
     return found

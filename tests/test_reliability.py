@@ -31,7 +31,7 @@ def through(run: Run, proxy: FaultProxy) -> Run:
     return run
 
 
-OUTAGE_SECONDS = 40  # the two-minute outage is lab/measure_lease.py outage's: a test need not wait that long
+OUTAGE_SECONDS = 20  # the two-minute outage is lab/measure_lease.py outage's: a test need not wait that long
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ from podlab import BUCKET, wait_until
 from s3_fault_proxy import FaultProxy
 from test_uploader import JOB, keys_in_s3, take_lease, uploader_env
 
-INTERVALS = 30
+INTERVALS = 15
+IDLE_INTERVALS = 5
 def s3_objects(s3, folder: str) -> list[str]:
     return sorted(k for k in keys_in_s3(s3, PREFIX + folder))
 
@@ -69,7 +70,7 @@ def test_each_interval_uploads_only_new_bytes_and_an_idle_one_asks_s3_nothing_fo
             # Idle: nothing written. status.json goes up once an interval: count intervals by it.
             idle_start_requests, _ = meter.snapshot()
             assert wait_until(lambda: meter.snapshot()[0].get("status.json", 0)
-                              >= idle_start_requests.get("status.json", 0) + 10, 60)
+                              >= idle_start_requests.get("status.json", 0) + IDLE_INTERVALS, 60)
             idle_end_requests, _ = meter.snapshot()
         finally:
             output = stop_watcher(watcher)
