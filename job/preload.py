@@ -15,7 +15,6 @@ complete, bad input, a signal) stops torchrun instead, and the worker ends with 
 
 from __future__ import annotations
 
-import gc
 import os
 import runpy
 import sys
@@ -54,13 +53,7 @@ def wait_for_gate(gate: str) -> None:
 def run_trainer(path: str, args: list[str]) -> None:
     sys.argv = [path, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(path))  # as `python path` sets it (was job/)
-    try:
-        runpy.run_path(path, run_name="__main__")
-    finally:
-        # The interpreter's last garbage collection walks every object torch made: 0.6 to 1 s
-        # between the trainer's end (a SIGTERM's save included) and the pod's exit. Frozen, they
-        # are only freed as the process ends; atexit handlers still run.
-        gc.freeze()
+    runpy.run_path(path, run_name="__main__")
 
 
 def main(argv: list[str]) -> int:

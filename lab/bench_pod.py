@@ -174,11 +174,16 @@ def measure(s3, endpoint: str, folder: Path, full: bool) -> dict[str, dict]:
     step = stopped_step(pod_a)
     moments = sigterm_moments(pod_a, step, signalled_at)
     in_s3 = step is not None and step in run.committed_steps()
-    floor = plain_upload_seconds(s3, run, checkpoint.step_dir_name(step), folder) if in_s3 else None
+    floor, floor_problem = None, (None if in_s3 else "the step is not in S3")
+    if in_s3:
+        try:
+            floor = plain_upload_seconds(s3, run, checkpoint.step_dir_name(step), folder)
+        except RuntimeError as error:  # the pod's figures still count
+            floor_problem = str(error)[:300]
     figures["sigterm_to_exit_s"] = figure(
         "sigterm_to_exit_s", took, f"SIGTERM to a training pod's PID 1 to the pod's exit ({which}), the step it "
         f"stopped at committed in S3: {in_s3}; floor: `s5cmd cp` of that step's files from a local disk to the "
-        f"same S3", floor, exit_code=code, step=step, manifest_in_s3=in_s3,
+        f"same S3", floor, floor_problem=floor_problem, exit_code=code, step=step, manifest_in_s3=in_s3,
         save_s=last_save_seconds(pod_a), final_upload_s=phase_seconds(pod_a).get("final upload"), **moments)
     if not in_s3:
         figures["sigterm_to_exit_s"]["meets_aim"] = False

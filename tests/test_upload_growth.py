@@ -85,7 +85,7 @@ def test_each_interval_uploads_only_new_bytes_and_an_idle_one_asks_s3_nothing_fo
           f"last {per_interval[-1]}; idle_requests_per_interval {idle_all / idle_intervals:.2f} "
           f"(growing files {idle_growing / idle_intervals:.2f}; status.json 1) over {idle_intervals} intervals")
     assert "Traceback" not in output, output
-    # O(new bytes): the last interval costs what the first did, not 30 times as much; the run's
+    # O(new bytes): the last interval costs what the first did, not INTERVALS times as much; the run's
     # total is the bytes written plus each request's framing.
     assert per_interval[-1] < 3 * per_interval[0], per_interval
     assert sum(per_interval) < 1.2 * local_bytes, (sum(per_interval), local_bytes)
