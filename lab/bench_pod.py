@@ -1,11 +1,12 @@
 """What a pod's life costs, through the real job.yaml (lab/local_pod.py, local S3), in one run:
 
 pod A trains; after a few steps its PID 1 gets SIGTERM (a deleted pod): sigterm_to_exit_s is the
-time to the pod's exit, with the step it stopped at committed in S3. Pod B starts (A let go of the
-lease): pod_start_to_first_step_s is the time from its start to the first training step after it
-resumed, beside a bare `torchrun` of a script that only imports torch. Then B's PID 1 gets SIGKILL
-(a lost node: the lease stays in S3) and pod C starts at once: kill_to_training_s, SIGKILL to C's
-first resumed step (lab/measure_lease.py's measure), beside B's start as its floor.
+time to the pod's exit, with the step it stopped at committed in S3, beside `s5cmd cp` of that
+step's files to the same S3. Pod B starts (A let go of the lease): pod_start_to_first_step_s is
+the time from its start to the first training step after it resumed, beside a bare `torchrun` of
+a script that only imports torch. Then B's PID 1 gets SIGKILL (a lost node: the lease stays in S3)
+and pod C starts at once: kill_to_training_s, SIGKILL to C's first resumed step
+(lab/measure_lease.py's measure), beside B's start as its floor.
 
 The trainer's progress is read from its EVENT lines (job/contract.py: `resumed`, `step`,
 `stopped`, `checkpoint`), or from its log lines where a trainer prints no events yet.
@@ -126,8 +127,8 @@ def plain_upload_seconds(s3, run: Run, name: str, folder: Path) -> float:
     a save's bytes do."""
     s5cmd, env = str(VENV_BIN / "s5cmd"), {**tool_env(), "S3_ENDPOINT_URL": run.endpoint}
     local, floor_prefix = folder / "sigterm-floor", f"bench/sigterm-floor/{name}/"
-    timed([s5cmd, "cp", f"s3://{BUCKET}/{run.prefix}checkpoints/{name}/*", f"{local}/"], env)
     try:
+        timed([s5cmd, "cp", f"s3://{BUCKET}/{run.prefix}checkpoints/{name}/*", f"{local}/"], env)
         return timed([s5cmd, "cp", f"{local}/*", f"s3://{BUCKET}/{floor_prefix}"], env)
     finally:
         shutil.rmtree(local, ignore_errors=True)
