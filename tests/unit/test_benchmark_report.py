@@ -47,11 +47,17 @@ def test_meets(aim, entry, expected):
 def test_figure_judges_the_keys_own_aim_and_keeps_its_unit():
     entry = figure("restore_vs_s5cmd", 0.6, "restore over s5cmd", 1.5, runs=[0.61234, 0.5])
     assert entry == {"value": 0.6, "unit": "s", "floor": 1.5, "ratio": 0.4, "aim": "ratio <= 1",
-                     "meets_aim": True, "how": "restore over s5cmd", "detail": {"runs": [0.612, 0.5]}}
+                     "meets_aim": True, "how": "restore over s5cmd", "detail": {"runs": [0.6123, 0.5]}}
     stall = figure("checkpoint_stall", 90.0, "async over none", 100.0)
     assert (stall["ratio"], stall["aim"], stall["meets_aim"]) == (0.9, "ratio >= 0.98", False)
     sigterm = figure("sigterm_to_exit_s", 7.25, "SIGTERM to exit")
     assert (sigterm["floor"], sigterm["ratio"], sigterm["meets_aim"]) == (None, None, True)
+
+
+def test_a_small_floor_keeps_enough_digits_for_its_ratio():
+    entry = figure("restore_vs_get_floor", 0.45678, "restore over GETs", 0.047449)
+    assert (entry["value"], entry["floor"]) == (0.4568, 0.04745)
+    assert entry["value"] / entry["floor"] == pytest.approx(entry["ratio"], rel=0.001)
 
 
 def test_an_unknown_key_is_refused():
