@@ -239,6 +239,23 @@ class Heartbeat:
             self.last = now
 
 
+def read_tensors(path: Path, device: torch.device):
+    """A checkpoint file through a memory map: its tensors are read as they are copied where they
+    go, once. Without the map torch.load copied the 124M state.pt into fresh memory first at
+    400 MB/s (2.6 s here, and 0.7-1.3 s for model.pt)."""
+    return torch.load(path, map_location=device, weights_only=True, mmap=True)
+
+
+def own_copies(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's CPU state, copied out of state.pt's memory map (0.5 s for 124M here): left in
+    the map, every step updated it there at half speed, and the file's blocks stayed held after
+    the checkpoint was rotated away."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.device.type == "cpu":
+                state[key] = value.clone()
+
+
 def rng_state(device: torch.device) -> dict:
     return {"cpu": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
@@ -351,15 +368,16 @@ class Trainer:
             raise ConfigError(problem)
         meta = checkpoint.read_manifest(folder)["meta"]
         config.check_same_model(meta.get("model", {}), self.cfg, f"checkpoint {folder.name}")
-        weights = torch.load(folder / "model.pt", map_location=self.rt.device, weights_only=True)
+        weights = read_tensors(folder / "model.pt", self.rt.device)
         try:
             self.raw_model.load_state_dict(weights)
         except RuntimeError as err:
             first = str(err).strip().splitlines()[-1].strip()
             raise ConfigError(f"checkpoint {folder.name} does not fit this model ({first}); use the "
                               f"config it was trained with, or a new S3_OUTPUT_URI") from None
-        state = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
+        state = read_tensors(folder / "state.pt", torch.device("cpu"))
         self.optimizer.load_state_dict(state["optimizer"])
+        own_copies(self.optimizer)
         restore_rng(state["rng"], self.rt)
         self.step = state["step"]
         if self.step > self.cfg.train.max_steps:
