@@ -96,6 +96,14 @@ def phase_seconds(pod) -> dict[str, float]:
     return {e["name"]: e["seconds"] for e in pod.events if e.get("event") == "phase" and e.get("state") == "done"}
 
 
+def resume_moments(pod, started_wall: float) -> dict[str, float]:
+    """When the trainer said `resumed` (seconds after the pod's start) and how long its load took."""
+    resumed = next((e for e in pod.events if e.get("event") == "resumed" and "time" in e), None)
+    if resumed is None:
+        return {}
+    return {"resumed_at_s": resumed["time"] - started_wall, "resume_load_s": resumed.get("seconds")}
+
+
 def last_save_seconds(pod) -> float | None:
     """Seconds of the trainer's last commit (its `checkpoint` event, else its log line)."""
     for line in reversed(pod.lines):
@@ -189,7 +197,7 @@ def measure(s3, endpoint: str, folder: Path, full: bool) -> dict[str, dict]:
     if not in_s3:
         figures["sigterm_to_exit_s"]["meets_aim"] = False
 
-    started = time.monotonic()
+    started, started_wall = time.monotonic(), time.time()
     pod_b = run.start(**env)
     try:
         first = first_resumed_step(pod_b, 600)
@@ -199,6 +207,7 @@ def measure(s3, endpoint: str, folder: Path, full: bool) -> dict[str, dict]:
             "pod_start_to_first_step_s", start_s, f"a pod's start (local runner) to its first training step after "
             f"resuming step {step} ({which}); floor: a bare `torchrun` to its worker having imported torch (median of 3)", bare,
             ready_s=next((e["seconds"] for e in pod_b.events if e.get("event") == "ready"), None),
+            **resume_moments(pod_b, started_wall), first_step_ms=first.get("ms_per_step"),
             **{f"phase {name}": seconds for name, seconds in phase_seconds(pod_b).items()})
         figures["pod_start_to_first_step_minus_bare_torchrun_s"] = figure(
             "pod_start_to_first_step_minus_bare_torchrun_s", start_s - bare,

@@ -158,3 +158,12 @@ def test_phase_seconds_are_the_finished_phases():
                 'EVENT {"event": "phase", "source": "script", "name": "restore checkpoint", "state": "done", '
                 '"seconds": 0.5}', "2026-11-23T00:00:00Z script: prose")
     assert phase_seconds(pod) == {"restore checkpoint": 0.5}
+
+
+def test_resume_moments_are_the_trainers_resumed_event_after_the_pods_start():
+    from bench_pod import resume_moments
+
+    pod = Lines('EVENT {"event": "phase", "source": "script", "time": 1011.0, "name": "restore checkpoint"}',
+                'EVENT {"event": "resumed", "source": "train", "time": 1012.5, "step": 4, "seconds": 1.25}')
+    assert resume_moments(pod, 1010.0) == {"resumed_at_s": 2.5, "resume_load_s": 1.25}
+    assert resume_moments(Lines("2026-11-23T00:00:00Z train: resumed from step-00000004 (step 4) in 1.2s"), 1.0) == {}
