@@ -54,6 +54,7 @@ def bench_checkpoint() -> None:
     import checkpoint
     import config
     from model import GPT
+    from train import load_optimizer_state, read_tensors
 
     cfg = config.load(ROOT / "config" / "conf.yaml")
     torch.manual_seed(0)
@@ -78,8 +79,8 @@ def bench_checkpoint() -> None:
     assert checkpoint.verify(final) is None
     verified = time.monotonic() - started
     started = time.monotonic()
-    model.load_state_dict(torch.load(final / "model.pt", weights_only=True))
-    optimizer.load_state_dict(torch.load(final / "state.pt", weights_only=True)["optimizer"])
+    model.load_state_dict(read_tensors(final / "model.pt", torch.device("cpu")))
+    load_optimizer_state(optimizer, final / "state.pt")
     loaded = time.monotonic() - started
     shutil.rmtree(folder)
     print(f"GPT-2 124M ({model.num_params() / 1e6:.1f}M parameters), checkpoint {size / 1e9:.2f} GB on {folder.parent}:")

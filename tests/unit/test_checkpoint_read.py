@@ -1,5 +1,5 @@
-"""A resuming trainer reads model.pt and state.pt through memory maps (train.read_tensors) and keeps
-none of the maps: its optimizer state lives in its own memory, so a rotated checkpoint's blocks are
+"""A resuming trainer reads model.pt and state.pt through memory maps (train.read_tensors,
+train.load_optimizer_state) and keeps none of the maps once it has used what they held: its optimizer state lives in its own memory, so a rotated checkpoint's blocks are
 freed and the steps after the resume are the ones an uninterrupted run takes."""
 
 import copy
@@ -9,7 +9,7 @@ import torch
 
 import config
 from model import GPT
-from train import own_copies, read_tensors
+from train import load_optimizer_state, read_tensors
 
 TINY = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8, "vocab_size": 32, "dropout": 0.0}}
 CPU = torch.device("cpu")
@@ -38,8 +38,9 @@ def resume(folder: Path) -> tuple[GPT, torch.optim.Optimizer]:
     model = GPT.empty(config.from_dict(TINY).model, CPU)
     model.load_state_dict(read_tensors(folder / "model.pt", CPU))
     optimizer = model.make_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu")
-    optimizer.load_state_dict(read_tensors(folder / "state.pt", CPU)["optimizer"])
-    own_copies(optimizer)
+    rest = load_optimizer_state(optimizer, folder / "state.pt")
+    torch.set_rng_state(rest["rng"])  # as restore_rng does, and then the trainer lets go of `rest`
+    assert rest["step"] == 1
     return model, optimizer
 
 
@@ -61,7 +62,8 @@ def test_a_resumed_trainer_holds_no_map_of_its_checkpoint_and_steps_as_the_sourc
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
     source, source_optimizer = trained_one_step(tokens)
     torch.save(source.state_dict(), tmp_path / "model.pt")
-    torch.save({"optimizer": source_optimizer.state_dict()}, tmp_path / "state.pt")
+    torch.save({"optimizer": source_optimizer.state_dict(), "rng": torch.get_rng_state(), "step": 1},
+               tmp_path / "state.pt")
     uninterrupted = step(*copied(source, source_optimizer), tokens)
 
     model, optimizer = resume(tmp_path)
