@@ -170,8 +170,25 @@ class SystemConfig:
         _require(self.peak_tflops >= 0, "system.peak_tflops", "must be 0 (look up) or more")
 
 
+class Groups:
+    """A dataclass of setting groups (model, train, ...): each group checks itself, and
+    train.grad_accum_steps is split between the processes."""
+
+    def check(self) -> None:
+        for group in dataclasses.fields(self):
+            getattr(self, group.name).check()
+
+    def check_world_size(self, world_size: int) -> None:
+        _require(self.train.grad_accum_steps % world_size == 0, "train.grad_accum_steps",
+                 f"({self.train.grad_accum_steps}) must be divisible by the number of processes "
+                 f"({world_size}); change it or NPROC_PER_NODE")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 @dataclasses.dataclass
-class Config:
+class Config(Groups):
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
@@ -185,19 +202,10 @@ class Config:
         return self.train.grad_accum_steps * self.train.batch_size * self.model.block_size
 
     def check(self) -> None:
-        for group in dataclasses.fields(self):
-            getattr(self, group.name).check()
+        super().check()
         _require(self.eval.interval % self.checkpoint.interval == 0, "eval.interval",
                  f"({self.eval.interval}) must be a multiple of checkpoint.interval "
                  f"({self.checkpoint.interval}), so the best model is a committed checkpoint")
-
-    def check_world_size(self, world_size: int) -> None:
-        _require(self.train.grad_accum_steps % world_size == 0, "train.grad_accum_steps",
-                 f"({self.train.grad_accum_steps}) must be divisible by the number of processes "
-                 f"({world_size}); change it or NPROC_PER_NODE")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def load(path: str | Path, overrides: list[str] | tuple = ()) -> Config:

@@ -133,7 +133,7 @@ class CheckpointSettings:
 
 
 @dataclasses.dataclass
-class Settings:
+class Settings(config.Groups):
     model: ModelSettings = dataclasses.field(default_factory=ModelSettings)
     lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
     data: DataSettings = dataclasses.field(default_factory=DataSettings)
@@ -141,18 +141,6 @@ class Settings:
     eval: EvalSettings = dataclasses.field(default_factory=EvalSettings)
     checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
     log: config.LogConfig = dataclasses.field(default_factory=config.LogConfig)  # the trainer's own
-
-    def check(self) -> None:
-        for group in dataclasses.fields(self):
-            getattr(self, group.name).check()
-
-    def check_world_size(self, world_size: int) -> None:
-        _require(self.train.grad_accum_steps % world_size == 0, "train.grad_accum_steps",
-                 f"({self.train.grad_accum_steps}) must be divisible by the number of processes "
-                 f"({world_size}); change it or NPROC_PER_NODE")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def load_settings(path: str | Path, overrides: list[str] | tuple = ()) -> Settings:
