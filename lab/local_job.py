@@ -209,7 +209,156 @@ class JobPod(podlab.Pod):
         return None if code is None else (code if code >= 0 else 128 - code)
 
 
-class IndexedJob:
+class PodController:
+    """What the local Job and PyTorchJob controllers share: pods by index (every attempt kept), the
+    API the tests drive, and a loop that judges each pod as it ends, starts due replacements and
+    finishes once nothing runs after the end. A subclass sets `kind` (for messages), `size`,
+    `folder`, `ips`, `hosts`, `env`, `configmaps`, `keep_volumes`, `echo`, calls _init_controller(),
+    and provides _start_pod(index) (through _launch), _judge(index, pod) and _delete_on_end()."""
+
+    kind = "Job"
+
+    def _init_controller(self) -> None:
+        self.history: list[tuple[int, int, str]] = []
+        self.condition: tuple[str, str] | None = None
+        self._pods: dict[int, list[JobPod]] = {i: [] for i in range(self.size)}
+        self._due: dict[int, float] = {}  # index -> when its replacement starts
+        self._ending: tuple[str, str] | None = None
+        self._lock = threading.RLock()
+        self._new_pod = threading.Condition(self._lock)
+        self._finished = threading.Event()
+        self._stopping = threading.Event()
+        self._controller: threading.Thread | None = None
+
+    # ------------------------------------------------------------ the API
+
+    def pod(self, index: int) -> JobPod:
+        return self.pods(index)[-1]
+
+    def pods(self, index: int) -> list[JobPod]:
+        with self._lock:
+            return list(self._pods[index])
+
+    def attempts(self, index: int) -> int:
+        return len(self.pods(index))
+
+    def output(self, index: int) -> str:
+        return "".join(pod.output for pod in self.pods(index))
+
+    def wait_for_pod(self, index: int, attempt: int, timeout: float = 60) -> JobPod:
+        """The attempt-th pod (1 = the first) of an index, waiting until it has started."""
+        with self._new_pod:
+            if not self._new_pod.wait_for(lambda: len(self._pods[index]) >= attempt or self._finished.is_set(),
+                                          timeout) or len(self._pods[index]) < attempt:
+                raise AssertionError(f"index {index} has had {len(self._pods[index])} pods, not {attempt}; "
+                                     f"history {self.history}; condition {self.condition}")
+            return self._pods[index][attempt - 1]
+
+    def delete(self, index: int) -> None:
+        """Preempt index's current pod: DisruptionTarget, then SIGTERM (SIGKILL after its grace)."""
+        self.pod(index).delete(disruption=True)
+
+    def wait(self, timeout: float = 300) -> tuple[str, str]:
+        """(condition, reason) once the run has finished and every pod has terminated."""
+        if not self._finished.wait(timeout) or self.condition is None:
+            tails = "\n".join(f"--- index {i}, pod {self.attempts(i)}:\n{self.pod(i).output[-2000:]}"
+                              for i in range(self.size) if self.attempts(i))
+            raise AssertionError(f"{self.kind} {self.name} not finished after {timeout}s; history {self.history}\n{tails}")
+        return self.condition
+
+    def stop(self, grace: float = 10) -> None:
+        """Cleanup: delete every pod (SIGTERM) and stop the controller; a runner still there after
+        `grace` seconds is killed, and its PID 1 with it (not the pods' terminationGracePeriodSeconds,
+        300 s in job.yaml: a modelled deletion is delete(i)). Safe to call twice."""
+        self._stopping.set()
+        with self._lock:
+            self._due.clear()
+            running = [p for pods in self._pods.values() for p in pods if p.proc.poll() is None]
+        for pod in running:
+            pod.delete(disruption=False)
+        deadline = time.monotonic() + grace
+        for pod in running:
+            try:
+                pod.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # past the grace: the runner's death kills PID 1 (its pdeathsig)
+                os.killpg(pod.proc.pid, signal.SIGKILL)
+                pod.proc.wait()
+        if self._controller:
+            self._controller.join(timeout=10)
+
+    # ------------------------------------------------------------ the controller
+
+    def _start_controller(self) -> None:
+        self._controller = threading.Thread(target=self._control, daemon=True)
+        self._controller.start()
+
+    def _launch(self, index: int, pidfile: Path, manifest: Path, extra: list[str]) -> None:
+        """Start index's next pod: local_pod.py with this run's addresses, ConfigMaps and env."""
+        command = [sys.executable, str(RUNNER), "--pidfile", str(pidfile), *extra, "--pod-ip", self.ips[index]]
+        command += [arg for name, ip in self.hosts for arg in ("--host", f"{name}={ip}")]
+        command += [arg for name, path in self.configmaps.items() for arg in ("--configmap", f"{name}={path}")]
+        if self.keep_volumes:
+            command += ["--keep-volumes", str(self.keep_volumes)]
+        command += [arg for key, value in self.env.items() for arg in ("--env", f"{key}={value}")]
+        attempt = len(self._pods[index]) + 1
+        self._pods[index].append(JobPod(command + [str(manifest)], pidfile, podlab.tool_env(), index, attempt,
+                                        self.echo))
+        self._new_pod.notify_all()
+
+    def _control(self) -> None:
+        while not self._finished.is_set():
+            with self._lock:
+                self._step()
+            time.sleep(0.1)
+
+    def _step(self) -> None:
+        for index, pods in self._pods.items():
+            pod = pods[-1] if pods else None
+            if pod is not None and not getattr(pod, "judged", False) and pod.exit_code() is not None:
+                pod.judged = True
+                pod._reader.join(timeout=5)  # its last lines are read before anyone hears of its end
+                self._judge(index, pod)
+        now = time.monotonic()
+        for index, due in list(self._due.items()):
+            if now >= due and not self._ending and not self._stopping.is_set():
+                del self._due[index]
+                self._replace(index)
+        self._check_deadline(now)
+        running = any(p.exit_code() is None for pods in self._pods.values() for p in pods)
+        if not running and not self._due and (self._ending or self._stopping.is_set()):
+            self.condition = self._ending
+            self._finished.set()
+            self._new_pod.notify_all()
+            if self._ending:
+                log(f"{self.kind} {self.name} {self._ending[0]}: {self._ending[1]}")
+
+    def _replace(self, index: int) -> None:
+        self._start_pod(index)
+
+    def _check_deadline(self, now: float) -> None:
+        """A run with a deadline ends itself here."""
+
+    def _judged_while_ending(self, index: int, code: int) -> bool:
+        """A pod that ends after the run's end (or the cleanup) is only recorded."""
+        if self._ending or self._stopping.is_set():
+            self.history.append((index, code, "terminated"))
+            return True
+        return False
+
+    def _end(self, condition: str, reason: str) -> None:
+        """The run has finished: no new pods, and the running ones are deleted where it says so."""
+        self._ending = (condition, reason)
+        self._due.clear()
+        if self._delete_on_end():
+            for pods in self._pods.values():
+                if pods and pods[-1].exit_code() is None:
+                    pods[-1].delete(disruption=False)
+
+    def _delete_on_end(self) -> bool:
+        return True
+
+
+class IndexedJob(PodController):
     """An Indexed Job run locally: N pods of lab/local_pod.py and the controller's rules.
 
         job = IndexedJob(manifest, env={"K": "V"}, keep_volumes=None, configmaps={"name": dir})
@@ -257,18 +406,9 @@ class IndexedJob:
         namespace = (job.get("metadata") or {}).get("namespace", "default")
         self.hosts = peer_hosts(self.name, template_spec.get("subdomain"), namespace, self.ips)
         self.folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix=f"local_job-{self.name}-"))
-        self.history: list[tuple[int, int, str]] = []
         self.failures = 0
-        self.condition: tuple[str, str] | None = None
-        self._pods: dict[int, list[JobPod]] = {i: [] for i in range(self.size)}
         self._succeeded: set[int] = set()
-        self._due: dict[int, float] = {}  # index -> when its replacement starts
-        self._ending: tuple[str, str] | None = None
-        self._lock = threading.RLock()
-        self._new_pod = threading.Condition(self._lock)
-        self._finished = threading.Event()
-        self._stopping = threading.Event()
-        self._controller: threading.Thread | None = None
+        self._init_controller()
 
     # ------------------------------------------------------------ the API
 
@@ -282,112 +422,22 @@ class IndexedJob:
         with self._lock:
             for index in range(self.size):
                 self._start_pod(index)
-        self._controller = threading.Thread(target=self._control, daemon=True)
-        self._controller.start()
+        self._start_controller()
         return self
-
-    def pod(self, index: int) -> JobPod:
-        return self.pods(index)[-1]
-
-    def pods(self, index: int) -> list[JobPod]:
-        with self._lock:
-            return list(self._pods[index])
-
-    def attempts(self, index: int) -> int:
-        return len(self.pods(index))
-
-    def output(self, index: int) -> str:
-        return "".join(pod.output for pod in self.pods(index))
-
-    def wait_for_pod(self, index: int, attempt: int, timeout: float = 60) -> JobPod:
-        """The attempt-th pod (1 = the first) of an index, waiting until it has started."""
-        with self._new_pod:
-            if not self._new_pod.wait_for(lambda: len(self._pods[index]) >= attempt or self._finished.is_set(),
-                                          timeout) or len(self._pods[index]) < attempt:
-                raise AssertionError(f"index {index} has had {len(self._pods[index])} pods, not {attempt}; "
-                                     f"history {self.history}; condition {self.condition}")
-            return self._pods[index][attempt - 1]
-
-    def delete(self, index: int) -> None:
-        """Preempt index's current pod: DisruptionTarget, then SIGTERM (SIGKILL after its grace)."""
-        self.pod(index).delete(disruption=True)
-
-    def wait(self, timeout: float = 300) -> tuple[str, str]:
-        """("Complete" | "Failed", reason) once the Job has finished and every pod has terminated."""
-        if not self._finished.wait(timeout) or self.condition is None:
-            tails = "\n".join(f"--- index {i}, pod {self.attempts(i)}:\n{self.pod(i).output[-2000:]}"
-                              for i in range(self.size) if self.attempts(i))
-            raise AssertionError(f"Job {self.name} not finished after {timeout}s; history {self.history}\n{tails}")
-        return self.condition
-
-    def stop(self, grace: float = 10) -> None:
-        """Cleanup: delete every pod (SIGTERM) and stop the controller; a runner still there after
-        `grace` seconds is killed, and its PID 1 with it (not the pods' terminationGracePeriodSeconds,
-        300 s in job.yaml: a modelled deletion is delete(i)). Safe to call twice."""
-        self._stopping.set()
-        with self._lock:
-            self._due.clear()
-            running = [p for pods in self._pods.values() for p in pods if p.proc.poll() is None]
-        for pod in running:
-            pod.delete(disruption=False)
-        deadline = time.monotonic() + grace
-        for pod in running:
-            try:
-                pod.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # past the grace: the runner's death kills PID 1 (its pdeathsig)
-                os.killpg(pod.proc.pid, signal.SIGKILL)
-                pod.proc.wait()
-        if self._controller:
-            self._controller.join(timeout=10)
 
     # ------------------------------------------------------------ the controller
 
     def _start_pod(self, index: int) -> None:
-        attempt = len(self._pods[index]) + 1
-        pidfile = self.folder / f"{self.name}-{index}-attempt{attempt}.pid"
-        command = [sys.executable, str(RUNNER), "--pidfile", str(pidfile), "--index", str(index),
-                   "--pod-ip", self.ips[index]]
-        command += [arg for name, ip in self.hosts for arg in ("--host", f"{name}={ip}")]
-        command += [arg for name, path in self.configmaps.items() for arg in ("--configmap", f"{name}={path}")]
-        if self.keep_volumes:
-            command += ["--keep-volumes", str(self.keep_volumes)]
-        command += [arg for key, value in self.env.items() for arg in ("--env", f"{key}={value}")]
-        pod = JobPod(command + [str(self.manifest)], pidfile, podlab.tool_env(), index, attempt, self.echo)
-        self._pods[index].append(pod)
-        self._new_pod.notify_all()
+        pidfile = self.folder / f"{self.name}-{index}-attempt{len(self._pods[index]) + 1}.pid"
+        self._launch(index, pidfile, self.manifest, ["--index", str(index)])
 
-    def _control(self) -> None:
-        while not self._finished.is_set():
-            with self._lock:
-                self._step()
-            time.sleep(0.1)
-
-    def _step(self) -> None:
-        for index, pods in self._pods.items():
-            pod = pods[-1] if pods else None
-            if pod is not None and not getattr(pod, "judged", False) and pod.exit_code() is not None:
-                pod.judged = True
-                self._judge(index, pod)
-        now = time.monotonic()
-        for index, due in list(self._due.items()):
-            if now >= due and not self._ending and not self._stopping.is_set():
-                del self._due[index]
-                self._start_pod(index)
+    def _check_deadline(self, now: float) -> None:
         if self.deadline is not None and not self._ending and now - self.started_at > self.deadline:
             self._end("Failed", "DeadlineExceeded")
-        running = any(p.exit_code() is None for pods in self._pods.values() for p in pods)
-        if not running and (self._ending or self._stopping.is_set()):
-            self.condition = self._ending
-            self._finished.set()
-            self._new_pod.notify_all()
-            if self._ending:
-                log(f"Job {self.name} {self._ending[0]}: {self._ending[1]}")
 
     def _judge(self, index: int, pod: JobPod) -> None:
         code = pod.exit_code()
-        pod._reader.join(timeout=5)  # its last lines are read before anyone hears of its end
-        if self._ending or self._stopping.is_set():
-            self.history.append((index, code, "terminated"))
+        if self._judged_while_ending(index, code):
             return
         failure = PodFailure(self.container, code, frozenset(pod.conditions))
         verdict, reason = decide(self.rules, failure, self.failures, self.backoff_limit)
@@ -403,14 +453,6 @@ class IndexedJob:
             self._end("Failed", reason)
         else:
             self._due[index] = time.monotonic() + self.replacement_delay
-
-    def _end(self, condition: str, reason: str) -> None:
-        """The Job has finished: no new pods, and every running one is deleted."""
-        self._ending = (condition, reason)
-        self._due.clear()
-        for pods in self._pods.values():
-            if pods and pods[-1].exit_code() is None:
-                pods[-1].delete(disruption=False)
 
 
 def check_indexed(spec: dict) -> int:
@@ -866,7 +908,7 @@ def check_pytorchjob(job: dict) -> dict[str, int]:
     return replicas
 
 
-class PyTorchJobRun:
+class PyTorchJobRun(PodController):
     """A Kubeflow PyTorchJob (kubeflow.org/v1) run locally as training-operator v1.9 runs it.
 
         job = PyTorchJobRun(manifest, env=..., configmaps=..., first_ip=...)   # as IndexedJob
@@ -887,6 +929,8 @@ class PyTorchJobRun:
     failed fails the PyTorchJob (reason PyTorchJobFailed); the Master's success is the job's
     (PyTorchJobSucceeded). Then, with cleanPodPolicy None (the default), the other pods are left
     to end on their own (wait() waits for them); Running or All deletes them."""
+
+    kind = "PyTorchJob"
 
     def __init__(self, manifest: Path | str, env: dict[str, str] | None = None, keep_volumes: Path | str | None = None,
                  configmaps: dict[str, Path | str] | None = None, *, folder: Path | str | None = None,
@@ -921,17 +965,9 @@ class PyTorchJobRun:
         self.manifests = [self._pod_manifest(kind, index) for kind, index in self.slots]
         self.grace = max(local_pod.load_job(m)["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
                          for m in self.manifests)
-        self.history: list[tuple[int, int, str]] = []
         self.restarts = 0
-        self.condition: tuple[str, str] | None = None
-        self._pods: dict[int, list[JobPod]] = {i: [] for i in range(self.size)}
         self._succeeded: dict[str, int] = {}
-        self._due: dict[int, float] = {}
-        self._ending: tuple[str, str] | None = None
-        self._lock = threading.RLock()
-        self._finished = threading.Event()
-        self._stopping = threading.Event()
-        self._controller: threading.Thread | None = None
+        self._init_controller()
 
     def pod_name(self, kind: str, index: int) -> str:
         return f"{self.name}-{kind.lower()}-{index}"
@@ -969,33 +1005,8 @@ class PyTorchJobRun:
         with self._lock:
             for rank in range(self.size):
                 self._start_pod(rank)
-        self._controller = threading.Thread(target=self._control, daemon=True)
-        self._controller.start()
+        self._start_controller()
         return self
-
-    def pods(self, index: int) -> list[JobPod]:
-        with self._lock:
-            return list(self._pods[index])
-
-    def pod(self, index: int) -> JobPod:
-        return self.pods(index)[-1]
-
-    def attempts(self, index: int) -> int:
-        return len(self.pods(index))
-
-    def output(self, index: int) -> str:
-        return "".join(pod.output for pod in self.pods(index))
-
-    def wait_for_pod(self, index: int, attempt: int, timeout: float = 60) -> JobPod:
-        if not wait_until(lambda: self.attempts(index) >= attempt or self._finished.is_set(), timeout) \
-                or self.attempts(index) < attempt:
-            raise AssertionError(f"pod {index} has had {self.attempts(index)} pods, not {attempt}; "
-                                 f"history {self.history}; condition {self.condition}")
-        return self.pods(index)[attempt - 1]
-
-    def delete(self, index: int) -> None:
-        """Delete pod index's current pod (SIGTERM, SIGKILL after its grace), as a preemption."""
-        self.pod(index).delete(disruption=True)
 
     @property
     def outcome(self) -> tuple[str, str] | None:
@@ -1003,75 +1014,20 @@ class PyTorchJobRun:
         cleanPodPolicy None leaves may still run (wait() waits for them too)."""
         return self._ending
 
-    def wait(self, timeout: float = 300) -> tuple[str, str]:
-        if not self._finished.wait(timeout) or self.condition is None:
-            tails = "\n".join(f"--- pod {i}, attempt {self.attempts(i)}:\n{self.pod(i).output[-2000:]}"
-                              for i in range(self.size) if self.attempts(i))
-            raise AssertionError(f"PyTorchJob {self.name} not finished after {timeout}s; history {self.history}\n{tails}")
-        return self.condition
-
-    def stop(self, grace: float = 10) -> None:
-        self._stopping.set()
-        with self._lock:
-            self._due.clear()
-            running = [p for pods in self._pods.values() for p in pods if p.proc.poll() is None]
-        for pod in running:
-            pod.delete(disruption=False)
-        deadline = time.monotonic() + grace
-        for pod in running:
-            try:
-                pod.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                os.killpg(pod.proc.pid, signal.SIGKILL)
-                pod.proc.wait()
-        if self._controller:
-            self._controller.join(timeout=10)
-
     # ------------------------------------------------------------ the controller
 
     def _start_pod(self, rank: int) -> None:
         kind, index = self.slots[rank]
-        attempt = len(self._pods[rank]) + 1
-        pidfile = self.folder / f"{self.pod_name(kind, index)}-attempt{attempt}.pid"
-        command = [sys.executable, str(RUNNER), "--pidfile", str(pidfile), "--pod-ip", self.ips[rank]]
-        command += [arg for name, ip in self.hosts for arg in ("--host", f"{name}={ip}")]
-        command += [arg for name, path in self.configmaps.items() for arg in ("--configmap", f"{name}={path}")]
-        if self.keep_volumes:
-            command += ["--keep-volumes", str(self.keep_volumes)]
-        command += [arg for key, value in self.env.items() for arg in ("--env", f"{key}={value}")]
-        pod = JobPod(command + [str(self.manifests[rank])], pidfile, podlab.tool_env(), rank, attempt, self.echo)
-        self._pods[rank].append(pod)
+        pidfile = self.folder / f"{self.pod_name(kind, index)}-attempt{len(self._pods[rank]) + 1}.pid"
+        self._launch(rank, pidfile, self.manifests[rank], [])
 
-    def _control(self) -> None:
-        while not self._finished.is_set():
-            with self._lock:
-                self._step()
-            time.sleep(0.1)
-
-    def _step(self) -> None:
-        for rank, pods in self._pods.items():
-            pod = pods[-1] if pods else None
-            if pod is not None and not getattr(pod, "judged", False) and pod.exit_code() is not None:
-                pod.judged = True
-                self._judge(rank, pod)
-        now = time.monotonic()
-        for rank, due in list(self._due.items()):
-            if now >= due and not self._ending and not self._stopping.is_set():
-                del self._due[rank]
-                self.restarts += 1
-                self._start_pod(rank)
-        running = any(p.exit_code() is None for pods in self._pods.values() for p in pods)
-        if not running and not self._due and (self._ending or self._stopping.is_set()):
-            self.condition = self._ending
-            self._finished.set()
-            if self._ending:
-                log(f"PyTorchJob {self.name} {self._ending[0]}: {self._ending[1]}")
+    def _replace(self, rank: int) -> None:
+        self.restarts += 1
+        self._start_pod(rank)
 
     def _judge(self, rank: int, pod: JobPod) -> None:
         code = pod.exit_code()
-        pod._reader.join(timeout=5)
-        if self._ending or self._stopping.is_set():
-            self.history.append((rank, code, "terminated"))
+        if self._judged_while_ending(rank, code):
             return
         kind, _ = self.slots[rank]
         policy = self.job["spec"]["pytorchReplicaSpecs"][kind].get("restartPolicy", "OnFailure")
@@ -1087,13 +1043,8 @@ class PyTorchJobRun:
         else:
             self._due[rank] = time.monotonic() + self.replacement_delay
 
-    def _end(self, condition: str, reason: str) -> None:
-        self._ending = (condition, reason)
-        self._due.clear()
-        if self.clean_pod_policy in ("Running", "All"):
-            for pods in self._pods.values():
-                if pods and pods[-1].exit_code() is None:
-                    pods[-1].delete(disruption=False)
+    def _delete_on_end(self) -> bool:
+        return self.clean_pod_policy in ("Running", "All")
 
 
 def controller_for(manifest: Path | str, *args, **kwargs):
