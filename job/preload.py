@@ -3,9 +3,10 @@
     preload.py GATE TRAINER.py [trainer arguments...]
 
 script.sh starts torchrun with this in front of the trainer before it takes the lease and
-restores the checkpoint, so each worker's `import torch` (1 to 2 s here, more with CUDA) overlaps
-that work instead of following it. The worker waits until the file GATE says "go" (written once
-the checkpoint is on disk), then runs TRAINER.py exactly as `python TRAINER.py args...` would:
+restores the checkpoint, so each worker's `import torch` (1 to 2 s here, more with CUDA), and for
+the shipped finetune.py transformers' (3.4 s more), overlaps that work instead of following it.
+The worker waits until the file GATE says "go" (written once the checkpoint is on disk), then runs
+TRAINER.py exactly as `python TRAINER.py args...` would:
 as __main__, with its own sys.argv and its folder first on sys.path. The trainer decides nothing
 earlier: it looks for its checkpoint only after the gate opens. Settings torch reads when imported
 (TORCH_LOGS, TORCHDYNAMO_*, TORCHINDUCTOR_*) belong in the pod's env, not in the trainer's
@@ -24,10 +25,14 @@ import contract
 
 GO = "go"
 POLL_SECONDS = 0.02
+# The shipped Hugging Face trainer (TRAIN_SCRIPT=finetune.py): its imports and the settings it makes
+# before them are known. Another trainer's transformers is left to it: it may set its own first.
+HF_TRAINER = "finetune.py"
+HF_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")  # as finetune.py sets them
 
 
-def preload() -> float:
-    """Import what every trainer of this toolkit imports first; return the seconds it took."""
+def preload(trainer: str) -> float:
+    """Import what the trainer imports first; return the seconds it took."""
     started = time.monotonic()
     import torch  # noqa: F401 - the point: imported once, here, while the pod restores
     import torch.distributed  # noqa: F401
@@ -36,7 +41,21 @@ def preload() -> float:
         import torch._dynamo  # noqa: F401 - without it still trains
     except Exception:  # noqa: BLE001
         pass
+    if os.path.basename(trainer) == HF_TRAINER:
+        preload_transformers()
     return time.monotonic() - started
+
+
+def preload_transformers() -> None:
+    """finetune.py's imports of transformers (3.4 s here, after torch), offline first as finetune.py
+    makes it: huggingface_hub reads these once, at import, and the hub is never to be reached."""
+    for name in HF_OFFLINE:
+        os.environ[name] = "1"
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer  # noqa: F401
+    except Exception:  # noqa: BLE001 - best effort: finetune.py's own import says what is wrong
+        pass
 
 
 def wait_for_gate(gate: str) -> None:
@@ -61,7 +80,7 @@ def main(argv: list[str]) -> int:
         print("usage: preload.py GATE TRAINER.py [arguments...]", file=sys.stderr)
         return contract.EXIT_BAD_INPUT
     gate, trainer, *args = argv
-    seconds = preload()
+    seconds = preload(trainer)
     if os.environ.get("RANK", "0") == "0":
         contract.event("preloaded", "runtime", seconds=round(seconds, 3))
     sys.modules.pop("contract")  # a trainer's own contract.py, if it has one, is the one it imports

@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -403,3 +404,29 @@ def test_bad_input_exits_64_with_one_line(tmp_path, lab, case, make, message):
     errors = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0], output
     assert "Traceback" not in output
+
+
+PRELOAD_PROBE = """
+import json, os, sys
+import huggingface_hub.constants as hub
+print("REPORT " + json.dumps({"transformers": "transformers" in sys.modules, "trainer": "transformers.trainer" in sys.modules,
+                              "hub_offline": hub.HF_HUB_OFFLINE, "env": os.environ.get("TRANSFORMERS_OFFLINE")}), flush=True)
+"""
+
+
+def test_the_shipped_finetune_py_finds_transformers_imported_offline_before_it_runs(tmp_path):
+    """job/preload.py imports transformers for finetune.py during the restore (3.4 s here), with the
+    hub offline as finetune.py's own first lines would have set it; never for another trainer."""
+    reports = {}
+    for name in ("finetune.py", "train.py"):
+        folder = tmp_path / name.removesuffix(".py")
+        folder.mkdir()
+        (folder / name).write_text(PRELOAD_PROBE)
+        (folder / "gate").write_text("go\n")
+        done = subprocess.run([sys.executable, str(CODE.parent / "job" / "preload.py"), str(folder / "gate"),
+                               str(folder / name)], capture_output=True, text=True, timeout=300,
+                              env={"PATH": os.environ["PATH"], "PYTHONPATH": str(CODE.parent / "job"), "RANK": "1"})
+        assert done.returncode == 0, done.stdout + done.stderr
+        reports[name] = json.loads(done.stdout.split("REPORT ", 1)[1].splitlines()[0])
+    assert reports["finetune.py"] == {"transformers": True, "trainer": True, "hub_offline": True, "env": "1"}
+    assert reports["train.py"] == {"transformers": False, "trainer": False, "hub_offline": False, "env": None}
