@@ -757,9 +757,9 @@ mark_ready() {
 
 trainer_gate() { echo "${STATE_DIR}/trainer-gate-${POD_TOKEN}"; }  # this pod's: a WORK_DIR may be shared
 
-# torchrun starts before the lease and the restore (one pod): its workers import torch meanwhile
-# and wait at job/preload.py's gate, which opens once the checkpoint is on disk. A group starts it
-# after the restore, as node 0's answer and the rendezvous expect.
+# torchrun starts before the data, the model, the lease and the restore (one pod): its workers
+# import torch meanwhile and wait at job/preload.py's gate, which opens once the checkpoint is on
+# disk. A group starts it after the restore, as node 0's answer and the rendezvous expect.
 start_trainer() {
   [[ -z "${TRAINER_PID}" ]] || return 0
   stop_if_asked
@@ -893,10 +893,10 @@ main() {
     exit 0
   fi
   phase "sync code" sync_code
+  phase "python environment" setup_python
+  ((NNODES > 1)) || start_trainer  # its workers import torch while the data and the model come down
   phase "sync data" sync_data
   [[ -z "${MODEL_DIR}" ]] || phase "sync model" sync_model
-  phase "python environment" setup_python
-  ((NNODES > 1)) || start_trainer
   if node0; then
     start_group_server
     phase "take the run's lease" take_lease

@@ -86,7 +86,9 @@ def test_empty_model_prefix_is_bad_input(finetune_run):
     assert code == 64, pod.output
     errors = [line for line in pod.lines if "error: " in line]
     assert len(errors) == 1 and f"S3_MODEL_URI=s3://{BUCKET}/models/nothing-here/ is empty" in errors[0], pod.output
-    assert "torchrun" not in pod.output and run.keys() == {}, "nothing written: it stopped before the lease"
+    # torchrun's workers may have started (they import torch while the model comes down), never the trainer.
+    trainer_events = [e for e in pod.events if e["source"] not in ("script", "runtime")]
+    assert not trainer_events and run.keys() == {}, "no trainer ran and nothing was written before the lease"
 
 
 def test_finetune_pod_deleted_mid_run_commits_its_step_to_s3_and_the_next_pod_redoes_none(finetune_run):

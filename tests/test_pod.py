@@ -55,7 +55,7 @@ def test_happy_path_ends_with_complete(run, reference_cache):
     assert status["state"] == "completed" and status["attempts"][0]["exit_code"] == 0
     assert "lease.json" not in keys, "the lease is released on exit"
     done = [e["name"] for e in pod.events if e["event"] == "phase" and e["state"] == "done"]
-    assert done == ["check S3 access", "sync code", "sync data", "python environment", "take the run's lease",
+    assert done == ["check S3 access", "sync code", "python environment", "sync data", "take the run's lease",
                     "restore checkpoint", "final upload"], pod.output
     assert [e["event"] for e in pod.events if e["event"] in ("ready", "exit")] == ["ready", "exit"]
     assert pod.events[-1]["event"] == "exit" and pod.events[-1]["code"] == 0
