@@ -115,13 +115,18 @@ class Staged:
                 raise
         self._entries[name] = {"size": writer.size, "sha256": writer.sha256.hexdigest()}
 
-    def adopt(self, name: str, entry: dict) -> None:
-        """Count a file the caller put in self.path itself (a download), checked against `entry`."""
+    @contextlib.contextmanager
+    def receive(self, name: str, entry: dict) -> Iterator[_HashingWriter]:
+        """A file the caller writes front to back (a download), hashed as the bytes come rather
+        than read back after; it counts only if it matches `entry` (else ValueError says how)."""
         _check_file_name(name)
-        problem = verify_file(self.path / name, entry)
+        with open(self.path / name, "wb") as file:
+            writer = _HashingWriter(file)
+            yield writer
+        problem = entry_problem(name, writer.size, entry, lambda: writer.sha256.hexdigest())
         if problem:
             raise ValueError(problem)
-        self._entries[name] = dict(entry)
+        self._entries[name] = {"size": writer.size, "sha256": writer.sha256.hexdigest()}
 
     def add_link(self, source: Path, entry: dict) -> None:
         """Reuse a committed file (a hard link, no copy) whose manifest entry is already known."""
@@ -263,10 +268,15 @@ def verify_file(path: Path, entry: dict, full: bool = True) -> str | None:
         size = path.stat().st_size
     except OSError:
         return f"{path.name} is missing"
+    return entry_problem(path.name, size, entry, (lambda: file_sha256(path)) if full else None)
+
+
+def entry_problem(name: str, size: int, entry: dict, sha256: Callable[[], str] | None) -> str | None:
+    """How a file of `size` bytes (and `sha256()`, when given) differs from its manifest entry."""
     if size != entry.get("size"):
-        return f"{path.name} has {size} bytes, manifest says {entry.get('size')}"
-    if full and file_sha256(path) != entry.get("sha256"):
-        return f"{path.name} does not match its sha256 in the manifest"
+        return f"{name} has {size} bytes, manifest says {entry.get('size')}"
+    if sha256 and sha256() != entry.get("sha256"):
+        return f"{name} does not match its sha256 in the manifest"
     return None
 
 

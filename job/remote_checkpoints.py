@@ -81,10 +81,9 @@ def fetch(s3, ckpts: Location, name: str, manifest: dict, local_root: Path, retr
         target = staged.path / file_name
         if target.resolve().parent != staged.path.resolve():  # is_manifest forbids it; never trust one check
             return f"{file_name!a} would be written outside the checkpoint folder"
-        if not retry(_download_file, s3, where, file_name, target):
-            return f"{file_name} is named in the manifest but missing"
         try:
-            staged.adopt(file_name, entry)
+            if not retry(_receive_file, s3, where, file_name, staged, entry):
+                return f"{file_name} is named in the manifest but missing"
         except ValueError as problem:
             return str(problem)
         return None
@@ -124,8 +123,8 @@ def check_room(final: Path, size: int) -> None:
 
 
 def side_by_side(work, items: list[tuple[str, dict]], workers: int = 4) -> str | None:
-    """work(name, entry) for every item, a few at a time, so one file is hashed while another
-    still downloads. The first problem in name order wins, as one after another would have it, and
+    """work(name, entry) for every item, a few at a time (files download side by side, each with
+    its own parts side by side). The first problem in name order wins, as one after another would have it, and
     after any problem no further file is started (a damaged checkpoint costs no more bytes)."""
     failed = threading.Event()
 
@@ -150,9 +149,12 @@ def side_by_side(work, items: list[tuple[str, dict]], workers: int = 4) -> str |
     return None
 
 
-def _download_file(s3, where: Location, name: str, target: Path) -> bool:
+def _receive_file(s3, where: Location, name: str, staged: checkpoint.Staged, entry: dict) -> bool:
+    """One attempt: the whole file again, in order, hashed as it comes (s3transfer puts the parts
+    it fetched side by side back in order for a stream)."""
     try:
-        s3.download_file(where.bucket, where.key(name), str(target), Config=s3lib.TRANSFER)
+        with staged.receive(name, entry) as stream:
+            s3.download_fileobj(where.bucket, where.key(name), stream, Config=s3lib.IN_ORDER)
     except botocore.exceptions.ClientError as err:
         if s3lib.not_found(err):
             return False

@@ -26,6 +26,13 @@ from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE  # noqa: F401 - the helper
 # GET stay fast.
 TRANSFER = TransferConfig(multipart_threshold=256 << 20, multipart_chunksize=256 << 20,
                           max_concurrency=8, use_threads=True)
+# A download into a stream (hashed as it comes): smaller parts, so the first is whole, and hashed,
+# while the rest still download. s3transfer holds at most max_in_memory_download_chunks parts
+# ahead of the stream, and max_io_queue pieces of io_chunksize (256 KB) that wait for it: about
+# 150 MB a file.
+IN_ORDER = TransferConfig(multipart_threshold=16 << 20, multipart_chunksize=16 << 20, max_concurrency=8,
+                          max_io_queue=64, use_threads=True)
+IN_ORDER.max_in_memory_download_chunks = 8
 
 
 

@@ -224,6 +224,28 @@ def test_a_damaged_local_copy_is_replaced_by_s3s_and_only_the_whole_one_is_recor
     assert checkpoint.newest_valid(out / "checkpoints", verified=verified) == local
 
 
+def test_a_file_of_many_parts_that_arrive_out_of_order_is_hashed_in_order_as_it_comes(s3, s3_endpoint, tmp_path):
+    # s3transfer fetches the parts side by side; the restore hashes the stream it puts back in order.
+    where = s3lib.Location.parse(f"s3://{BUCKET}/parts/")
+    part = s3lib.IN_ORDER.multipart_chunksize
+    noise = os.urandom(1 << 20)
+    made = tmp_path / "made" / "step-00000003"
+    with checkpoint.stage(made) as staged:
+        with staged.open("state.pt") as file:
+            for index in range(5 * part // len(noise) + 1):  # six parts, each piece of it different
+                file.write(index.to_bytes(8, "little") + noise[8:])
+        staged.commit(meta={"step": 3})
+    for path in made.iterdir():
+        s3.upload_file(str(path), BUCKET, f"parts/checkpoints/step-00000003/{path.name}")
+    # Half the requests answer 0.4 s late and one in ten fails once: parts end in any order.
+    with FaultProxy(upstream=s3_endpoint, slow_rate=0.5, slow_seconds=0.4, error_rate=0.1, seed=11) as proxy:
+        name = restorelib.restore(boto3.client("s3", endpoint_url=proxy.url), where, tmp_path / "out")
+        outcomes = [r[3] for r in proxy.stats()["recent"] if r[1] == "GET" and r[2].endswith("/state.pt")]
+    assert name == "step-00000003"
+    assert checkpoint.verify(tmp_path / "out" / "checkpoints" / name) is None
+    assert outcomes.count("slow") >= 1 and outcomes.count("forwarded") >= 1, outcomes
+
+
 def test_restore_fetches_files_side_by_side_and_stops_at_the_first_problem_in_name_order():
     items = [(name, {}) for name in "abcdefgh"]
     started, b_done = [], threading.Event()

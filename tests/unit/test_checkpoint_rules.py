@@ -160,7 +160,8 @@ def test_staged_refuses_a_name_that_is_not_a_plain_file_name(tmp_path, name):
             with staged.open(name):
                 pass
         with pytest.raises(ValueError):
-            staged.adopt(name, {"size": 0, "sha256": SHA})
+            with staged.receive(name, {"size": 0, "sha256": SHA}):
+                pass
     assert not (tmp_path / "escape.pt").exists()
 
 
