@@ -81,7 +81,7 @@ class CheckpointLayoutError(Exception):
 
 class _MovedIn(checkpoint.Staged):
     """A staged checkpoint whose files are renamed in from the Trainer's folder. Their size and
-    sha256 come from one read (which also fsyncs them): adopt() would read each file twice."""
+    sha256 come from one read, which also fsyncs them (the Trainer wrote them without)."""
 
     def take(self, name: str, entry: dict) -> None:
         if hasattr(checkpoint, "is_file_name") and not checkpoint.is_file_name(name):
