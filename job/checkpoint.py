@@ -71,13 +71,17 @@ def is_file_name(name) -> bool:
 class _HashingWriter:
     """A file opened for writing that hashes and counts what goes through it."""
 
-    def __init__(self, file):
+    def __init__(self, file, name: str = "", limit: int | None = None):
         self._file = file
         self.sha256 = hashlib.sha256()
         self.size = 0
         self.error: OSError | None = None  # torch.save hides it behind an opaque RuntimeError
+        self._name, self._limit = name, limit
 
     def write(self, data) -> int:
+        if self._limit is not None and self.size + len(data) > self._limit:
+            # An object replaced after it was listed: stop at its manifest's size, not at a full disk.
+            raise ValueError(f"{self._name} has more than {self._limit} bytes, manifest says {self._limit}")
         self.sha256.update(data)
         self.size += len(data)
         try:
@@ -121,7 +125,7 @@ class Staged:
         than read back after; it counts only if it matches `entry` (else ValueError says how)."""
         _check_file_name(name)
         with open(self.path / name, "wb") as file:
-            writer = _HashingWriter(file)
+            writer = _HashingWriter(file, name, limit=entry.get("size"))
             yield writer
         problem = entry_problem(name, writer.size, entry, lambda: writer.sha256.hexdigest())
         if problem:

@@ -107,7 +107,7 @@ LOGS_PREFIX = "logs/"             # logs/attempt-NNNN-POD/NNNNNNNN.log
 #               with trainer_exit; exit: the uploader's code, at done)
 #   ready       seconds (from the pod's start to training)            script.sh
 #   preloaded   seconds (torch's import in torchrun's worker, while   preload.py (rank 0)
-#               the pod takes the lease and restores)
+#               the pod syncs data, takes the lease and restores)
 #   lease       state ("held" | "off" | "complete"), waited (held)   lease.py
 #   restore     step, name (restored; null: the trainer starts at 0)  restore.py
 #   uploaded    step, name, bytes, seconds (committed in S3)          uploader.py

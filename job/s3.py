@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass
 
 import boto3
+import boto3.exceptions
 import botocore.exceptions
+import s3transfer.exceptions
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
@@ -24,14 +26,16 @@ from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE  # noqa: F401 - the helper
 
 # Large parts: fewer requests, and S3 servers (moto included) that re-read an object per ranged
 # GET stay fast.
+# "classic": boto3 would switch to the CRT transfer client where awscrt is installed on a node it
+# rates as optimized, and ignore these settings (the memory bound below among them).
 TRANSFER = TransferConfig(multipart_threshold=256 << 20, multipart_chunksize=256 << 20,
-                          max_concurrency=8, use_threads=True)
+                          max_concurrency=8, use_threads=True, preferred_transfer_client="classic")
 # A download into a stream (hashed as it comes): smaller parts, so the first is whole, and hashed,
 # while the rest still download. s3transfer holds at most max_in_memory_download_chunks parts
 # ahead of the stream, and max_io_queue pieces of io_chunksize (256 KB) that wait for it: about
-# 150 MB a file.
+# 150 MB a file, 600 MB for the 4 files a restore fetches at once at most (remote_checkpoints).
 IN_ORDER = TransferConfig(multipart_threshold=16 << 20, multipart_chunksize=16 << 20, max_concurrency=8,
-                          max_io_queue=64, use_threads=True)
+                          max_io_queue=64, use_threads=True, preferred_transfer_client="classic")
 IN_ORDER.max_in_memory_download_chunks = 8
 
 
@@ -82,7 +86,7 @@ class Location:
 def client():
     """A client whose own retries are few and quick; callers wrap calls in retrying()."""
     config = Config(retries={"mode": "standard", "total_max_attempts": 3},
-                    connect_timeout=5, read_timeout=60, max_pool_connections=16)
+                    connect_timeout=5, read_timeout=60, max_pool_connections=32)  # 4 files x 8 parts
     try:
         return boto3.client("s3", config=config)
     except botocore.exceptions.BotoCoreError as err:
@@ -109,6 +113,9 @@ def is_transient(err: BaseException) -> bool:
         return False
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
         return False
+    if isinstance(err, (s3transfer.exceptions.RetriesExceededError, boto3.exceptions.RetriesExceededError,
+                        s3transfer.exceptions.S3DownloadFailedError)):
+        return True  # a part's own retries ran out on resets or timeouts, or the body came up short
     if isinstance(err, botocore.exceptions.ClientError):
         code, status = error_code(err), http_status(err)
         return not s3_errors.is_permanent(code) and status != 501 and (

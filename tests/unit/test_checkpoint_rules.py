@@ -4,6 +4,7 @@ Pure rules: no S3, no root."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -222,3 +223,22 @@ def test_read_verified_takes_only_what_note_verified_writes(tmp_path, content):
         path.write_text(content)
     assert checkpoint.read_verified(path) is None
     assert checkpoint.read_verified(None) is None
+
+
+def test_a_received_file_stops_at_its_manifest_size_and_counts_only_when_it_matches(tmp_path):
+    body = b"weights!"
+    entry = {"size": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    with checkpoint.stage(tmp_path / "step-00000001") as staged:
+        with pytest.raises(ValueError, match="more than 8 bytes"):  # replaced after it was listed: bigger
+            with staged.receive("model.pt", entry) as stream:
+                stream.write(body)
+                stream.write(b"x" * 1000)
+        assert (staged.path / "model.pt").stat().st_size == len(body), "not a byte past the manifest's size"
+        with pytest.raises(ValueError, match="does not match its sha256"):
+            with staged.receive("model.pt", entry) as stream:
+                stream.write(b"weights?")
+        with staged.receive("model.pt", entry) as stream:
+            stream.write(body[:3])
+            stream.write(body[3:])
+        staged.commit(meta={"step": 1})
+    assert checkpoint.verify(tmp_path / "step-00000001") is None

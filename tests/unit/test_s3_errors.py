@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import errno
 
+import boto3.exceptions
 import botocore.exceptions
+import s3transfer.exceptions
 import pytest
 
 import s3
@@ -25,6 +27,10 @@ TRANSIENT = [
     ("connection closed", botocore.exceptions.ConnectionClosedError(endpoint_url="http://x")),
     ("endpoint unreachable", botocore.exceptions.EndpointConnectionError(endpoint_url="http://x")),
     ("socket reset", ConnectionResetError(errno.ECONNRESET, "reset")),
+    # download_fileobj raises s3transfer's, download_file boto3's, once a part's own retries ran out
+    ("part retries ran out", s3transfer.exceptions.RetriesExceededError(ConnectionResetError())),
+    ("part retries ran out (boto3)", boto3.exceptions.RetriesExceededError(ConnectionResetError())),
+    ("body came up short", s3transfer.exceptions.S3DownloadFailedError("Contents of stream did not match")),
 ]
 
 PERMANENT = [
