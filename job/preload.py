@@ -3,8 +3,9 @@
     preload.py GATE TRAINER.py [trainer arguments...]
 
 script.sh starts torchrun with this in front of the trainer before it syncs the data, takes the
-lease and restores the checkpoint, so each worker's `import torch` (1 to 2 s here, more with CUDA), and for
-the shipped finetune.py transformers' (3.4 s more), overlaps that work instead of following it.
+lease and restores the checkpoint, so each worker's `import torch` (1 to 2 s here, more with
+CUDA), and for the shipped finetune.py transformers' (3.4 s more), overlaps that work instead of
+following it.
 The worker waits until the file GATE says "go" (written once the checkpoint is on disk), then runs
 TRAINER.py exactly as `python TRAINER.py args...` would:
 as __main__, with its own sys.argv and its folder first on sys.path. The trainer decides nothing

@@ -124,8 +124,9 @@ def check_room(final: Path, size: int) -> None:
 
 def side_by_side(work, items: list[tuple[str, dict]], workers: int = 4) -> str | None:
     """work(name, entry) for every item, a few at a time (files download side by side, each with
-    its own parts side by side). The first problem in name order wins, as one after another would have it, and
-    after any problem no further file is started (a damaged checkpoint costs no more bytes)."""
+    its own parts side by side). The first problem in name order wins, as one after another would
+    have it, and after any problem no further file is started (a damaged checkpoint costs no more
+    bytes)."""
     failed = threading.Event()
 
     def guarded(name: str, entry: dict) -> str | None:

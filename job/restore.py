@@ -8,8 +8,9 @@ none, the group starts at step 0). Until it is in S3 it is waited for, up to S3_
 
 A step folder in S3 counts only if its manifest.json is there (the uploader writes it last). Its
 files are downloaded into a staging folder, each hashed as its bytes come and checked against the
-manifest (size and sha256), and committed locally with the same protocol the trainer uses. A damaged one is skipped with a
-warning that names it, and the one before it is tried. Nothing in S3 is changed.
+manifest (size and sha256), and committed locally with the same protocol the trainer uses. A
+damaged one is skipped with a warning that names it, and the one before it is tried. Nothing in
+S3 is changed.
 
 Whoever can write the bucket can write a manifest, so one counts only if checkpoint.is_manifest
 says so (plain file names, a known format, a valid hmac when CHECKPOINT_HMAC_KEY is set), every

@@ -7,8 +7,8 @@ import errno
 
 import boto3.exceptions
 import botocore.exceptions
-import s3transfer.exceptions
 import pytest
+import s3transfer.exceptions
 
 import s3
 
