@@ -127,10 +127,11 @@ class Staged:
         with open(self.path / name, "wb") as file:
             writer = _HashingWriter(file, name, limit=entry.get("size"))
             yield writer
-        problem = entry_problem(name, writer.size, entry, lambda: writer.sha256.hexdigest())
+        digest = writer.sha256.hexdigest()
+        problem = entry_problem(name, writer.size, entry, lambda: digest)
         if problem:
             raise ValueError(problem)
-        self._entries[name] = {"size": writer.size, "sha256": writer.sha256.hexdigest()}
+        self._entries[name] = {"size": writer.size, "sha256": digest}
 
     def add_link(self, source: Path, entry: dict) -> None:
         """Reuse a committed file (a hard link, no copy) whose manifest entry is already known."""
