@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import io
 import mmap
+import zipfile
 
 import pytest
 import torch
@@ -29,9 +30,22 @@ def live_state():
     return model, state
 
 
+def same(a, b) -> bool:
+    """Equal values, tensors bit for bit (dtype, shape and bytes)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
 def saved(obj) -> bytes:
+    """torch.save's bytes of `obj`, with no CRC-32, as write_step saves."""
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
+    with async_save._without_crc32():
+        torch.save(obj, buffer)
     return buffer.getvalue()
 
 
@@ -66,6 +80,18 @@ def test_the_rebuilt_state_reads_the_buffer_not_the_live_tensors():
     rebuilt, _, _ = snapshot_and_rebuild(live)
     live["w"].add_(1)  # training goes on after the snapshot
     assert torch.equal(rebuilt["w"], torch.ones(4))
+
+
+def test_write_step_skips_torch_saves_crc32_and_its_files_still_load_exactly(tmp_path):
+    model, state = live_state()
+    torch.serialization.set_crc32_options(True)
+    final = async_save.write_step(tmp_path, "step-00000007", model, state, {"step": 7}, False, 2)
+    assert torch.serialization.get_crc32_options() is True, "torch's global setting is put back"
+    for name, live in (("model.pt", model), ("state.pt", state)):
+        with zipfile.ZipFile(final / name) as archive:
+            assert {info.CRC for info in archive.infolist()} == {0}, f"{name}: a CRC-32 was computed"
+        loaded = torch.load(final / name, weights_only=True, mmap=True)
+        assert same(loaded, live), name
 
 
 @pytest.mark.parametrize("sizes,offsets,total", [
