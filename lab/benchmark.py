@@ -21,11 +21,12 @@ optimizer state is real, then commits a checkpoint the way train.py does (torch.
 hashing writer, fsync, manifest last), verifies it and loads it back. The save must fit well inside
 torchrun's 30 s between SIGTERM and SIGKILL.
 
-checkpoint_stall: trains a 42M-parameter model (510 MB of weights and AdamW state) with train.py,
-three times: with no checkpoint, with one every N steps saved synchronously (checkpoint.async_save:
-false) and in the background (true). N is chosen so that a synchronous save costs 20% of the
-interval. Prints each run's tokens/s over the same window of steps (wall clock, saves included)
-and the ratios to the run without checkpoints.
+checkpoint_stall: trains a 42M-parameter model (510 MB of weights and AdamW state) with train.py:
+with no checkpoint, with one every N steps saved synchronously (checkpoint.async_save: false) and
+in the background (true); the runs with none and with background saves alternate, three of each
+(--quick: one). N is chosen so that a synchronous save costs 20% of the interval. Prints each run's
+tokens/s over the same window of steps (wall clock, saves included) and the ratios of the medians
+to the runs without checkpoints.
 
 restart: trains a ~13M-parameter model for 2 steps through the real job.yaml (local pod runner,
 local S3), then starts the Job's next pod with one more step to do, and compares each phase of
@@ -39,6 +40,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,6 +98,7 @@ STALL_MODEL = {"model__n_layer": 6, "model__n_head": 12, "model__n_embd": 768, "
 STALL_MODEL_QUICK = {**STALL_MODEL, "model__n_layer": 4, "model__n_head": 6, "model__n_embd": 384}
 STALL_SHARE = 0.2  # of an interval that a synchronous save takes
 STALL_SAVES = 4  # saves inside the measured window
+STALL_PAIRS = 3  # runs with none and with async saves, alternating (full run; --quick: 1)
 
 
 def bench_checkpoint_stall(quick: bool = False) -> dict:
@@ -114,21 +117,34 @@ def bench_checkpoint_stall(quick: bool = False) -> dict:
     print(f"model: {shape}, checkpoint {size / 1e6:.0f} MB; a step {step_s:.2f}s, a synchronous save "
           f"{save_s:.2f}s: a checkpoint every {every} steps, window steps {every}..{every * (saves + 1)} "
           f"({saves} saves); load average before: {os.getloadavg()[0]:.1f}")
-    speeds = {}
-    for name, overrides in (("none", {"checkpoint__interval": last, "eval__interval": last}),
-                            ("sync", {"checkpoint__interval": every, "checkpoint__async_save": False}),
-                            ("async", {"checkpoint__interval": every, "checkpoint__async_save": True})):
-        overrides.setdefault("eval__interval", every * (last // every + 1))
-        cfg = write_config(folder / f"{name}.yaml", train__max_steps=last, eval__steps=1,
-                           **{**model, **overrides})
-        speeds[name] = window_speed(cfg, data, folder / name, every, every * (saves + 1))
-        print(f"  {name:<5} {speeds[name]:8.0f} tokens/s (load average {os.getloadavg()[0]:.1f})")
+    runs = {
+        "none": {"checkpoint__interval": last, "eval__interval": last},
+        "sync": {"checkpoint__interval": every, "checkpoint__async_save": False},
+        "async": {"checkpoint__interval": every, "checkpoint__async_save": True},
+    }
+    speeds: dict[str, list[float]] = {name: [] for name in runs}
+    for name in stall_order(1 if quick else STALL_PAIRS):
+        overrides = {"eval__interval": every * (last // every + 1), **runs[name]}
+        cfg = write_config(folder / f"{name}.yaml", train__max_steps=last, eval__steps=1, **{**model, **overrides})
+        speeds[name].append(window_speed(cfg, data, folder / name, every, every * (saves + 1)))
+        print(f"  {name:<5} {speeds[name][-1]:8.0f} tokens/s (load average {os.getloadavg()[0]:.1f})")
         shutil.rmtree(folder / name)
     shutil.rmtree(folder)
-    print(f"checkpoint_stall: async/none = {speeds['async'] / speeds['none']:.3f}, "
-          f"sync/none = {speeds['sync'] / speeds['none']:.3f}")
-    return {"speeds": speeds, "shape": shape, "size": size, "every": every, "saves": saves,
+    median = {name: statistics.median(values) for name, values in speeds.items()}
+    print(f"checkpoint_stall: async/none = {median['async'] / median['none']:.3f}, "
+          f"sync/none = {median['sync'] / median['none']:.3f} (medians of {len(speeds['none'])} runs each)")
+    return {"speeds": median, "runs": speeds, "shape": shape, "size": size, "every": every, "saves": saves,
             "step_s": step_s, "save_s": save_s, "share": save_s / (save_s + every * step_s)}
+
+
+def stall_order(pairs: int) -> list[str]:
+    """Runs with no checkpoint and with background saves alternate, so that the machine's drift
+    over minutes (other tenants, the page cache) falls on both; one synchronous run after the first
+    pair is its reference point."""
+    order = []
+    for pair in range(pairs):
+        order += ["none", "async"] + (["sync"] if pair == 0 else [])
+    return order
 
 
 def calibrate_stall(folder: Path, model: dict = STALL_MODEL) -> tuple[float, float, int]:
@@ -280,10 +296,13 @@ def stall_figures(_s3, _endpoint: str, _folder: Path, quick: bool) -> dict[str, 
     how = (f"train.py ({result['shape']}, a {result['size'] / 1e6:.0f} MB checkpoint, one thread) tokens/s over steps "
            f"{result['every']}..{result['every'] * (result['saves'] + 1)} with a checkpoint every {result['every']} "
            f"steps ({result['saves']} saves, a sync save of {result['save_s']:.2f} s, {result['share']:.0%} of an interval) over the "
-           f"same run with none ({speeds['none']:.0f} tokens/s)")
-    return {"checkpoint_stall": figure("checkpoint_stall", speeds["async"], "async saves: " + how, speeds["none"]),
+           f"same run with none ({speeds['none']:.0f} tokens/s); medians of {len(result['runs']['none'])} runs each, "
+           f"alternating")
+    runs = result["runs"]
+    return {"checkpoint_stall": figure("checkpoint_stall", speeds["async"], "async saves: " + how, speeds["none"],
+                                       async_runs=runs["async"], none_runs=runs["none"]),
             "checkpoint_stall_sync": figure("checkpoint_stall_sync", speeds["sync"], "sync saves: " + how,
-                                            speeds["none"])}
+                                            speeds["none"], sync_runs=runs["sync"], none_runs=runs["none"])}
 
 
 def pod_figures(s3, endpoint: str, folder: Path, quick: bool) -> dict[str, dict]:
@@ -293,8 +312,6 @@ def pod_figures(s3, endpoint: str, folder: Path, quick: bool) -> dict[str, dict]
 
 
 def growth_figures(_s3, endpoint: str, folder: Path, quick: bool) -> dict[str, dict]:
-    import statistics
-
     import bench_growth
     from bench_report import figure
 

@@ -167,3 +167,10 @@ def test_resume_moments_are_the_trainers_resumed_event_after_the_pods_start():
                 'EVENT {"event": "resumed", "source": "train", "time": 1012.5, "step": 4, "seconds": 1.25}')
     assert resume_moments(pod, 1010.0) == {"resumed_at_s": 2.5, "resume_load_s": 1.25}
     assert resume_moments(Lines("2026-11-23T00:00:00Z train: resumed from step-00000004 (step 4) in 1.2s"), 1.0) == {}
+
+
+def test_the_stall_runs_alternate_none_and_background_saves_with_one_synchronous_run():
+    from benchmark import stall_order
+
+    assert stall_order(1) == ["none", "async", "sync"]
+    assert stall_order(3) == ["none", "async", "sync", "none", "async", "none", "async"]
