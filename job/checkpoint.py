@@ -122,11 +122,14 @@ class Staged:
     @contextlib.contextmanager
     def receive(self, name: str, entry: dict) -> Iterator[_HashingWriter]:
         """A file the caller writes front to back (a download), hashed as the bytes come rather
-        than read back after; it counts only if it matches `entry` (else ValueError says how)."""
+        than read back after, fsynced when closed; it counts only if it matches `entry` (else
+        ValueError says how)."""
         _check_file_name(name)
         with open(self.path / name, "wb") as file:
             writer = _HashingWriter(file, name, limit=entry.get("size"))
             yield writer
+            file.flush()
+            os.fsync(file.fileno())
         digest = writer.sha256.hexdigest()
         problem = entry_problem(name, writer.size, entry, lambda: digest)
         if problem:

@@ -5,6 +5,7 @@ Pure rules: no S3, no root."""
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 
 import pytest
@@ -242,3 +243,24 @@ def test_a_received_file_stops_at_its_manifest_size_and_counts_only_when_it_matc
             stream.write(body[3:])
         staged.commit(meta={"step": 1})
     assert checkpoint.verify(tmp_path / "step-00000001") is None
+
+
+
+def test_a_received_file_is_on_disk_before_it_counts(tmp_path, monkeypatch):
+    """Its manifest is written after it, so a crash cannot leave a local manifest over bytes the
+    disk never got."""
+    synced = []
+    fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", recording_fsync)
+    body = b"weights!"
+    with checkpoint.stage(tmp_path / "step-00000001") as staged:
+        with staged.receive("model.pt", {"size": len(body), "sha256": hashlib.sha256(body).hexdigest()}) as stream:
+            stream.write(body)
+        assert synced == ["model.pt"]
+        staged.commit(meta={"step": 1})
+    assert synced[1] == "manifest.json", "the file first, the manifest after"
