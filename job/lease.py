@@ -174,8 +174,7 @@ class Lease:
             if s3lib.not_found(err):
                 return None
             raise
-        with answer["Body"] as stream:
-            body = _lease_body(stream.read(_MAX_LEASE_BYTES + 1))
+        body = _lease_body(s3lib.read_body(answer, _MAX_LEASE_BYTES))
         server_now = _server_time(answer)
         age = (server_now - answer["LastModified"]).total_seconds()
         # The holder's own TTL when longer: a pod that renews every 40 s (TTL 120) must not be taken

@@ -196,11 +196,26 @@ def get_json(s3, where: Location, key: str, retry) -> tuple[dict | None, str | N
             if not_found(err):
                 return None, None
             raise
-        with answer["Body"] as body:
-            return body.read(MAX_JSON_BYTES + 1), answer["ETag"]
+        return read_body(answer, MAX_JSON_BYTES), answer["ETag"]
 
     body, etag = retry(fetch)
     return (None, None) if body is None else (parse_json(body, key.rsplit("/", 1)[-1]), etag)
+
+
+def read_body(answer: dict, limit: int) -> bytes:
+    """A GetObject answer's body, read to its end or to limit + 1 bytes (more: too large). A body
+    that ends before its Content-Length (the connection closed midway) raises botocore's
+    IncompleteReadError, which is transient and retried; botocore itself lets a short body through
+    a capped read(), and a manifest or a lease cut off by the network would read as damaged."""
+    chunks, size = [], 0
+    with answer["Body"] as body:
+        while size <= limit and (chunk := body.read(limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+    expected = answer.get("ContentLength")
+    if size <= limit and expected is not None and size != expected:
+        raise botocore.exceptions.IncompleteReadError(actual_bytes=size, expected_bytes=expected)
+    return b"".join(chunks)
 
 
 def parse_json(body: bytes, name: str):

@@ -9,7 +9,10 @@ proxy injects a fault instead:
     error    answer 500 InternalError or 503 SlowDown without forwarding;
     reset    drop the client connection with a TCP RST, without answering: right after the
              request headers ("before_body"), after reading the whole request ("after_body"), or,
-             when asked for, after the upstream has acted on it ("after_upstream");
+             when asked for, after the upstream has acted on it ("after_upstream"); or cut the
+             upstream's answer short ("mid_body": the head and the first half of the body arrive,
+             then the connection closes, as when a network drops a download midway; closed, not
+             reset, so the client surely gets that half: a reset discards what it has not read);
     slow     wait slow_seconds, then answer normally (only requests whose target contains
              slow_match, when it is set: e.g. "partNumber=" slows multipart parts alone);
     outage   every request gets a fault (503 by default, or 500, or reset) until it is turned
@@ -94,7 +97,7 @@ S3_ERRORS = {
 NOT_IMPLEMENTED = {
     501: ("NotImplemented", "A header you provided implies functionality that is not implemented."),
 }
-RESET_POINTS = ("before_body", "after_body", "after_upstream")
+RESET_POINTS = ("before_body", "after_body", "after_upstream", "mid_body")
 OUTAGE_FAULTS = ("503", "500", "reset")
 OUTCOMES = ("forwarded", "error", "reset", "slow", "outage")
 HOP_BY_HOP = {
@@ -518,6 +521,17 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
                 upstream.close()
             except UpstreamError:
                 self.server.proxy._count_upstream_failure()
+        elif point == "mid_body":
+            self._send_continue_if_expected()
+            try:
+                response, upstream = self._send_upstream()
+            except UpstreamError:
+                self.server.proxy._count_upstream_failure()
+            else:
+                with contextlib.closing(upstream):
+                    self._relay(response, cut_after=int(response.getheader("Content-Length") or 0) // 2)
+                self.close_connection = True
+                return
         self._reset_connection()
 
     def _reset_connection(self) -> None:
@@ -570,7 +584,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             upstream.close()
             raise
 
-    def _relay(self, response: http.client.HTTPResponse) -> None:
+    def _relay(self, response: http.client.HTTPResponse, cut_after: int | None = None) -> None:
+        """The upstream's answer to the client; with `cut_after`, only that many bytes of its body."""
         headers = [(name, value) for name, value in response.getheaders()
                    if name.lower() not in HOP_BY_HOP]
         has_no_body = (self.command == "HEAD" or response.status in (204, 304)
@@ -585,9 +600,12 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         self._send_head(response.status, response.reason, headers)
         if has_no_body:
             return
-        while piece := response.read(COPY_CHUNK):
+        left = cut_after
+        while piece := response.read(COPY_CHUNK if left is None else min(COPY_CHUNK, left)):
             self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
-        if chunked:
+            if left is not None:
+                left -= len(piece)
+        if chunked and cut_after is None:
             self.wfile.write(b"0\r\n\r\n")
 
     def _answer_bad_gateway(self) -> None:

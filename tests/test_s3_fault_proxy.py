@@ -13,7 +13,8 @@ import urllib.request
 import boto3
 import pytest
 from botocore.config import Config
-from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError
+from botocore.exceptions import (ClientError, ConnectionClosedError, EndpointConnectionError, IncompleteReadError,
+                                 ResponseStreamingError)
 
 from helpers import sha256
 from podlab import BUCKET, ROOT, wait_until
@@ -173,6 +174,19 @@ def test_reset_after_upstream_loses_the_answer_not_the_write(proxy, s3):
     with pytest.raises(CONNECTION_ERRORS):
         client_through(proxy).put_object(Bucket=BUCKET, Key="written", Body=b"data")
     assert s3.get_object(Bucket=BUCKET, Key="written")["Body"].read() == b"data"
+
+
+def test_mid_body_delivers_the_head_and_half_the_body_then_closes(proxy, s3):
+    body = os.urandom(3 << 20)
+    s3.put_object(Bucket=BUCKET, Key="big", Body=body)
+    proxy.configure(reset_rate=1.0, reset_points=["mid_body"])
+    answer = client_through(proxy).get_object(Bucket=BUCKET, Key="big")
+    assert answer["ContentLength"] == len(body), "the head came whole"
+    got = bytearray()
+    with pytest.raises((ResponseStreamingError, IncompleteReadError)):
+        while piece := answer["Body"].read(64 << 10):
+            got += piece
+    assert len(got) == len(body) // 2 and got == body[:len(got)], "the first half, then the end"
 
 
 def test_slow_answers_after_slow_seconds(proxy):
