@@ -25,8 +25,8 @@ checkpoint_stall: trains a 42M-parameter model (510 MB of weights and AdamW stat
 with no checkpoint, with one every N steps saved synchronously (checkpoint.async_save: false) and
 in the background (true); the runs with none and with background saves alternate, three of each
 (--quick: one). N is chosen so that a synchronous save costs 20% of the interval. Prints each run's
-tokens/s over the same window of steps (wall clock, saves included) and the ratios of the medians
-to the runs without checkpoints.
+tokens/s over the same window of steps (wall clock, saves included); checkpoint_stall is the
+median of the ratios of each background-save run to the run with none just before it.
 
 restart: trains a ~13M-parameter model for 2 steps through the real job.yaml (local pod runner,
 local S3), then starts the Job's next pod with one more step to do, and compares each phase of
@@ -130,11 +130,22 @@ def bench_checkpoint_stall(quick: bool = False) -> dict:
         print(f"  {name:<5} {speeds[name][-1]:8.0f} tokens/s (load average {os.getloadavg()[0]:.1f})")
         shutil.rmtree(folder / name)
     shutil.rmtree(folder)
-    median = {name: statistics.median(values) for name, values in speeds.items()}
-    print(f"checkpoint_stall: async/none = {median['async'] / median['none']:.3f}, "
-          f"sync/none = {median['sync'] / median['none']:.3f} (medians of {len(speeds['none'])} runs each)")
-    return {"speeds": median, "runs": speeds, "shape": shape, "size": size, "every": every, "saves": saves,
+    compared = stall_pairs(speeds)
+    print(f"checkpoint_stall: async/none = {compared['async'][0] / compared['async'][1]:.3f} (the median of "
+          f"{len(speeds['async'])} pairs), sync/none = {compared['sync'][0] / compared['sync'][1]:.3f}")
+    return {"compared": compared, "runs": speeds, "shape": shape, "size": size, "every": every, "saves": saves,
             "step_s": step_s, "save_s": save_s, "share": save_s / (save_s + every * step_s)}
+
+
+def stall_pairs(speeds: dict[str, list[float]]) -> dict[str, tuple[float, float]]:
+    """(tokens/s with saves, tokens/s with none) for async and sync, from runs made in stall_order.
+    async: the pair (a run with background saves and the run with none just before it) whose ratio
+    is the median; sync: its run over the mean of the runs with none either side of it. The
+    machine drifts by a quarter over minutes here, more than the effect: a ratio of medians
+    taken from different minutes would show that drift."""
+    pairs = sorted(zip(speeds["async"], speeds["none"]), key=lambda pair: pair[0] / pair[1])
+    around = speeds["none"][:2]
+    return {"async": pairs[(len(pairs) - 1) // 2], "sync": (speeds["sync"][0], sum(around) / len(around))}
 
 
 def stall_order(pairs: int) -> list[str]:
@@ -292,17 +303,18 @@ def stall_figures(_s3, _endpoint: str, _folder: Path, quick: bool) -> dict[str, 
     from bench_report import figure
 
     result = bench_checkpoint_stall(quick)
-    speeds = result["speeds"]
+    (async_speed, async_floor), (sync_speed, sync_floor) = result["compared"]["async"], result["compared"]["sync"]
+    runs = result["runs"]
     how = (f"train.py ({result['shape']}, a {result['size'] / 1e6:.0f} MB checkpoint, one thread) tokens/s over steps "
            f"{result['every']}..{result['every'] * (result['saves'] + 1)} with a checkpoint every {result['every']} "
-           f"steps ({result['saves']} saves, a sync save of {result['save_s']:.2f} s, {result['share']:.0%} of an interval) over the "
-           f"same run with none ({speeds['none']:.0f} tokens/s); medians of {len(result['runs']['none'])} runs each, "
-           f"alternating")
-    runs = result["runs"]
-    return {"checkpoint_stall": figure("checkpoint_stall", speeds["async"], "async saves: " + how, speeds["none"],
-                                       async_runs=runs["async"], none_runs=runs["none"]),
-            "checkpoint_stall_sync": figure("checkpoint_stall_sync", speeds["sync"], "sync saves: " + how,
-                                            speeds["none"], sync_runs=runs["sync"], none_runs=runs["none"])}
+           f"steps ({result['saves']} saves, a sync save of {result['save_s']:.2f} s, {result['share']:.0%} of an "
+           f"interval) over a run with none; runs in the order {', '.join(stall_order(len(runs['async'])))}")
+    return {"checkpoint_stall": figure("checkpoint_stall", async_speed,
+                                       f"async saves: {how}; the pair (async, the none before it) of median ratio",
+                                       async_floor, async_runs=runs["async"], none_runs=runs["none"]),
+            "checkpoint_stall_sync": figure("checkpoint_stall_sync", sync_speed,
+                                            f"sync saves: {how}; over the mean of the none runs either side",
+                                            sync_floor, sync_runs=runs["sync"], none_runs=runs["none"])}
 
 
 def pod_figures(s3, endpoint: str, folder: Path, quick: bool) -> dict[str, dict]:

@@ -174,3 +174,13 @@ def test_the_stall_runs_alternate_none_and_background_saves_with_one_synchronous
 
     assert stall_order(1) == ["none", "async", "sync"]
     assert stall_order(3) == ["none", "async", "sync", "none", "async", "none", "async"]
+
+
+def test_the_stall_is_the_median_pair_and_the_sync_run_is_set_against_the_runs_either_side():
+    from benchmark import stall_pairs
+
+    # 2026-11-24: the runs with none drifted from 142 to 111 tokens/s and back within minutes
+    speeds = {"none": [142.0, 111.0, 131.0], "async": [135.0, 106.0, 131.0], "sync": [102.0]}
+    assert stall_pairs(speeds) == {"async": (106.0, 111.0), "sync": (102.0, 126.5)}
+    assert stall_pairs({"none": [100.0], "async": [97.0], "sync": [80.0]}) == {"async": (97.0, 100.0),
+                                                                                "sync": (80.0, 100.0)}
