@@ -203,18 +203,18 @@ def get_json(s3, where: Location, key: str, retry) -> tuple[dict | None, str | N
 
 
 def read_body(answer: dict, limit: int) -> bytes:
-    """A GetObject answer's body, read to its end or to limit + 1 bytes (more: too large). A body
-    that ends before its Content-Length (the connection closed midway) raises botocore's
-    IncompleteReadError, which is transient and retried; botocore itself lets a short body through
-    a capped read(), and a manifest or a lease cut off by the network would read as damaged."""
-    chunks, size = [], 0
-    with answer["Body"] as body:
+    """A GetObject answer's body, read to its end or to limit + 1 bytes (more: too large), through
+    botocore's StreamingBody: at the end it checks the Content-Length (and a checksum S3 sent), so
+    a body cut short by the network raises IncompleteReadError, transient and retried. (`with
+    answer["Body"] as body` hands out urllib3's raw stream, which checks neither: a manifest or a
+    lease cut off midway came back short and read as damaged.)"""
+    body, chunks, size = answer["Body"], [], 0
+    try:
         while size <= limit and (chunk := body.read(limit + 1 - size)):
             chunks.append(chunk)
             size += len(chunk)
-    expected = answer.get("ContentLength")
-    if size <= limit and expected is not None and size != expected:
-        raise botocore.exceptions.IncompleteReadError(actual_bytes=size, expected_bytes=expected)
+    finally:
+        body.close()
     return b"".join(chunks)
 
 
