@@ -5,8 +5,8 @@ Pure rules: no S3, no root."""
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import os
 
 import pytest
 
@@ -243,7 +243,6 @@ def test_a_received_file_stops_at_its_manifest_size_and_counts_only_when_it_matc
             stream.write(body[3:])
         staged.commit(meta={"step": 1})
     assert checkpoint.verify(tmp_path / "step-00000001") is None
-
 
 
 def test_a_received_file_is_on_disk_before_it_counts(tmp_path, monkeypatch):
