@@ -4,10 +4,16 @@ Anything that runs in another process (the AWS CLI, the bootstrap, TensorBoard) 
 server over HTTP, as it would to S3. State is reset between tests.
 """
 
+import os
 import urllib.request
 
-import boto3
-import pytest
+# Before torch is imported here or in any process a test starts: tests run two at a time on 2 cores
+# (scripts/test.sh), and a trainer's OpenMP threads spinning beside another test's made its steps
+# several times slower (a SIGTERM test: 8.7 s alone, 46 s beside another). The pods set it too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import boto3  # noqa: E402
+import pytest  # noqa: E402
 
 from podlab import BUCKET, ROOT, Run, fake_aws_env, local_s3, venv_path  # noqa: F401 - import paths: pytest.ini
 
