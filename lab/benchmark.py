@@ -1,4 +1,4 @@
-"""Figures for the README, measured on this machine, as ratios within one run where it matters.
+"""Figures for docs/performance.md, measured on this machine, as ratios within one run where it matters.
 
     sudo .venv/bin/python lab/benchmark.py all --json F [--quick] [--only PART]...  # every figure
 

@@ -1,6 +1,6 @@
 """Bad input, through the real job.yaml: each case gets one line that names the cause and the fix,
 the right exit code (64 when no retry can help, so the Job stops), and nothing that was already in
-S3 is overwritten or deleted. The README's table of bad inputs is this table."""
+S3 is overwritten or deleted. docs/troubleshooting.md's table of error lines is this table."""
 
 from __future__ import annotations
 
