@@ -569,7 +569,14 @@ complete_key() {
   echo "${S3_OUTPUT_URI#s3://"${bucket}"/}COMPLETE"
 }
 
-already_complete() { ((COMPLETE_FOUND)); }
+# With CHECKPOINT_HMAC_KEY set, only a COMPLETE signed for this run ends it: lease.py judges that
+# with the pod's Python (node 0 then tells the others), so here it is only a hint.
+already_complete() {
+  ((COMPLETE_FOUND)) || return 1
+  [[ -n "${CHECKPOINT_HMAC_KEY:-}" ]] || return 0
+  log "${S3_OUTPUT_URI}COMPLETE exists; CHECKPOINT_HMAC_KEY is set, so its signature decides (checked with the lease)"
+  return 1
+}
 
 # -- the phases ---------------------------------------------------------------------------------
 
