@@ -75,6 +75,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import struct
@@ -110,9 +111,9 @@ HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
     "te", "trailer", "transfer-encoding", "upgrade",
 }
-# Query parameters of presigned URLs that are credentials or signatures.
-SECRET_QUERY_KEYS = {"x-amz-signature", "x-amz-credential", "x-amz-security-token", "signature",
-                     "awsaccesskeyid"}
+# Query parameters whose names look secret (presigned URLs' signatures and credentials, tokens): the
+# rule job/redact.sed applies to the pod's output.
+SECRET_QUERY_NAME = re.compile(r"token|key|secret|sig|pass|pwd|cred|auth|^x-amz-", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -754,7 +755,7 @@ def _redacted(target: str) -> str:
 
 def _redacted_parameter(part: str) -> str:
     raw_key = part.partition("=")[0]
-    if urllib.parse.unquote_plus(raw_key).lower() in SECRET_QUERY_KEYS:
+    if SECRET_QUERY_NAME.search(urllib.parse.unquote_plus(raw_key)):
         return f"{raw_key}=REDACTED"
     return part
 
