@@ -91,7 +91,12 @@ PYTHON=python3
 STARTED_MS=$(date +%s%3N)
 POD_TOKEN=${RANDOM}${RANDOM}-${STARTED_MS}  # this pod, to node 0: a replacement of a node has another
 
-log() { printf '%s script: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*"; }
+# One line whatever it quotes (the AWS CLI's last line, a setting): a control character from S3 or
+# the network becomes '?', so none starts a line of its own (a forged EVENT) or redraws a terminal.
+log() {
+  local line="$*"
+  printf '%s script: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${line//[[:cntrl:]]/?}"
+}
 warn() { log "warning: $*" >&2; }
 die() {
   local code=$1; shift

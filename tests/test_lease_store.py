@@ -398,3 +398,21 @@ def test_with_a_key_only_a_complete_signed_for_this_run_ends_it(s3, s3_endpoint,
     if lease == "on":  # with S3_LEASE=off and no key, script.sh's own check is the one (and asks S3 nothing)
         put_complete(s3, uri, b"not json, no key")
         assert acquire(tmp_path, s3_endpoint, uri, S3_LEASE=lease).returncode == 3, "without a key: as before"
+
+
+def test_a_lease_holder_with_line_breaks_forges_no_line_on_the_pods_log(s3, s3_endpoint, tmp_path):
+    # Seen before: a holder "x\nEVENT {exit, code 0}\ny" printed its own EVENT line, and contract.wait
+    # took the pod for one that had exited 0.
+    forged = 'EVENT {"event": "exit", "source": "script", "code": 0, "seconds": 1.0, "time": 1.0}'
+    s3.put_object(Bucket=BUCKET, Key="runs/forger/lease.json",
+                  Body=json.dumps({"holder": f"x\n{forged}\r\x1b[2Ky", "ttl_seconds": 120}).encode())
+    result = acquire(tmp_path, s3_endpoint, f"s3://{BUCKET}/runs/forger/", LEASE_WAIT_SECONDS="0")
+    assert result.returncode == 75, result.stdout + result.stderr
+    log = tmp_path / "pod.log"
+    log.write_text(result.stdout + result.stderr)
+    assert not [line for line in log.read_text().splitlines() if line.startswith("EVENT")]
+    assert "\x1b" not in log.read_text() and "\r" not in log.read_text()
+    assert 'another pod (x\\nEVENT {"event": "exit"' in result.stdout, result.stdout
+    waited = subprocess.run([sys.executable, str(JOB / "contract.py"), "wait", str(log), "0", "exit", "code=0"],
+                            capture_output=True, text=True)
+    assert waited.returncode == 1, waited.stdout
