@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import http.client
 import http.server
 import json
 import os
@@ -255,7 +256,7 @@ class Asker:
                     continue
                 return None, (f"node 0 refused this pod's requests (HTTP {refused.code}): the group's pods do not "
                               f"hold the same {SECRET_ENV} (scripts/submit.py makes one per run)")
-            except (OSError, ValueError) as err:  # URLError, timeouts, resets, a bad status line
+            except (OSError, ValueError, http.client.HTTPException) as err:  # URLError, timeouts, resets, not HTTP
                 return None, f"no answer ({type(err).__name__})"
             if len(body) > MAX_ANSWER or not hmac.compare_digest(signed, answer_mac(self.key, nonce, body)):
                 return None, "an answer not signed with the group's secret"

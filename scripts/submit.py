@@ -461,7 +461,7 @@ def keep_existing_group_secret(documents: list[dict]) -> list[dict]:
     secret = next((d for d in documents if d["kind"] == "Secret"), None)
     if secret is None:
         return documents
-    found = subprocess.run([kubectl(), "get", "secret", secret["metadata"]["name"], "-o", "name"],
+    found = subprocess.run([kubectl(), "get", "secret", secret["metadata"]["name"], "-o", "name", "--request-timeout=20s"],
                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if found.returncode != 0:  # not there, or not readable: this render's key goes up
         return documents

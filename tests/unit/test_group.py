@@ -415,3 +415,19 @@ def test_what_node_0_remembers_stays_bounded_whatever_is_asked(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_something_on_node_0s_port_that_does_not_speak_http_is_no_answer():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def babble():
+            connection, _ = listener.accept()
+            with connection:
+                connection.recv(4096)
+                connection.sendall(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+
+        threading.Thread(target=babble, daemon=True).start()
+        state, problem = group.Asker(f"127.0.0.1:{listener.getsockname()[1]}", SECRET.encode(), "1", "p1").ask()
+    assert state is None and problem.startswith("no answer ("), problem
