@@ -21,13 +21,17 @@ The pod runtime uploads a folder's files first and `manifest.json` last, so S3 o
 
 A manifest may come from a bucket someone else can write, so every reader holds it to one rule
 (manifest_problem): plain file names only (never a path), sizes and sha256 of the right types, a
-format this module knows. With CHECKPOINT_HMAC_KEY set, commit() signs the manifest and a manifest
-without a valid signature does not count.
+format this module knows. With CHECKPOINT_HMAC_KEY set, commit() signs the manifest together with
+the folder it is committed as and the run (S3_OUTPUT_URI, what stays the same across restarts and
+pods), and a manifest counts only with a valid signature for the folder it is read from and this
+run: a signed step copied under another name, or from another run, is damaged. COMPLETE is signed
+and judged the same way (signed_complete, complete_problem).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import json
@@ -44,7 +48,11 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 KNOWN_FORMATS = (1,)
 HMAC_KEY_ENV = "CHECKPOINT_HMAC_KEY"
-STEP_DIR = re.compile(r"step-([0-9]{8,})")
+RUN_ENV = "S3_OUTPUT_URI"  # the run a signature binds (the pod exports it; unset outside a pod)
+MAX_COMPLETE_BYTES = 64 << 10  # a COMPLETE is a few hundred bytes; anyone who may write the bucket may write it
+# 8 to 12 digits: a trillion steps, and a name far from any file system's limit (a name of
+# hundreds of digits in a bucket made the staging folder's name too long for the disk).
+STEP_DIR = re.compile(r"step-([0-9]{8,12})")
 STAGING_PREFIX = ".staging-"
 MAX_NAME_LENGTH = 255  # what Linux file systems allow in one name
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -123,13 +131,26 @@ class Staged:
     def receive(self, name: str, entry: dict) -> Iterator[_HashingWriter]:
         """A file the caller writes front to back (a download), hashed as the bytes come rather
         than read back after, fsynced when closed; it counts only if it matches `entry` (else
-        ValueError says how)."""
+        ValueError says how). A local error writing it is a ValueError too (the checkpoint cannot
+        be received here), but for a full or read-only disk, which stays the OSError it is."""
         _check_file_name(name)
-        with open(self.path / name, "wb") as file:
+        try:
+            file = open(self.path / name, "wb")
+        except OSError as err:
+            raise _not_written(name, err) from None
+        with file:
             writer = _HashingWriter(file, name, limit=entry.get("size"))
-            yield writer
-            file.flush()
-            os.fsync(file.fileno())
+            try:
+                yield writer
+            except Exception:
+                if writer.error is not None:  # the disk's, whatever the downloader made of it
+                    raise _not_written(name, writer.error) from None
+                raise
+            try:
+                file.flush()
+                os.fsync(file.fileno())
+            except OSError as err:
+                raise _not_written(name, err) from None
         digest = writer.sha256.hexdigest()
         problem = entry_problem(name, writer.size, entry, lambda: digest)
         if problem:
@@ -148,6 +169,7 @@ class Staged:
                     "committed_at": time.time()}
         key = _hmac_key()
         if key:
+            manifest.update(folder=self.final.name, run=run_identity())  # what the signature binds
             manifest = json.loads(json.dumps(manifest))  # sign exactly what a reader will parse
             manifest["hmac"] = manifest_hmac(manifest, key)
         _write_durably(self.path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -183,7 +205,7 @@ def stage(final: Path | str) -> Iterator[Staged]:
 
 def read_manifest(folder: Path) -> dict | None:
     manifest = _load_manifest(folder)
-    return manifest if is_manifest(manifest) else None
+    return manifest if is_manifest(manifest, folder.name) else None
 
 
 def _load_manifest(folder: Path):
@@ -193,14 +215,16 @@ def _load_manifest(folder: Path):
         return None
 
 
-def is_manifest(value) -> bool:
-    """A manifest every reader may trust, wherever it was read from (see manifest_problem)."""
-    return manifest_problem(value) is None
+def is_manifest(value, folder: str) -> bool:
+    """A manifest every reader may trust, read from FOLDER (its name), wherever that is (see
+    manifest_problem)."""
+    return manifest_problem(value, folder) is None
 
 
-def manifest_problem(value) -> str | None:
-    """None for a manifest that counts, else why not: each file a plain name with its size and
-    sha256, a known format, and with CHECKPOINT_HMAC_KEY set, a valid hmac."""
+def manifest_problem(value, folder: str) -> str | None:
+    """None for a manifest that counts in the checkpoint folder named FOLDER, else why not: each
+    file a plain name with its size and sha256, a known format, and with CHECKPOINT_HMAC_KEY set, a
+    valid hmac over a manifest signed for FOLDER and this run."""
     files = value.get("files") if isinstance(value, dict) else None
     if not isinstance(files, dict) or not files or not isinstance(value.get("meta", {}), dict) or not all(
             isinstance(e, dict) and type(e.get("size")) is int and e["size"] >= 0
@@ -212,18 +236,16 @@ def manifest_problem(value) -> str | None:
         return f"its manifest names {_shown(bad)}, which is not a plain file name"
     if type(value.get("format")) is not int or value["format"] not in KNOWN_FORMATS:
         return f"its manifest has format {_shown(value.get('format'))}, this runtime reads format {FORMAT}"
-    return _signature_problem(value)
+    return _signature_problem(value, folder)
 
 
 def manifest_hmac(manifest: dict, key: bytes) -> str:
-    """HMAC-SHA256 of everything in the manifest but the hmac itself (committed_at included: no
-    field a reader sees is left unsigned, and a field added later is covered by default)."""
-    body = {k: v for k, v in manifest.items() if k != "hmac"}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hmac.new(key, b"checkpoint-manifest\n" + canonical.encode(), hashlib.sha256).hexdigest()
+    """HMAC-SHA256 of everything in the manifest but the hmac itself (committed_at, folder and run
+    included: no field a reader sees is left unsigned, and a field added later is covered by default)."""
+    return _mac(key, b"checkpoint-manifest\n", manifest)
 
 
-def _signature_problem(manifest: dict) -> str | None:
+def _signature_problem(manifest: dict, folder: str) -> str | None:
     key = _hmac_key()
     if not key:
         return None  # signing is off: an hmac field, if any, is not looked at
@@ -232,7 +254,59 @@ def _signature_problem(manifest: dict) -> str | None:
         return f"its manifest is not signed ({HMAC_KEY_ENV} is set)"
     if not hmac.compare_digest(given.encode(), manifest_hmac(manifest, key).encode()):
         return f"its manifest's hmac does not match {HMAC_KEY_ENV}"
+    return _binding_problem(manifest, folder, "its manifest")
+
+
+def _binding_problem(signed: dict, folder: str | None, what: str) -> str | None:
+    """A validly signed object that is not this run's (folder: and not this folder's)."""
+    if "run" not in signed or (folder is not None and "folder" not in signed):
+        return f"{what} is signed but names no folder and run (an older runtime signed it); it counts in no run"
+    if folder is not None and signed["folder"] != folder:
+        return f"{what} was signed for folder {_shown(signed['folder'])}, not {_shown(folder)} (a copy)"
+    if signed["run"] != run_identity():
+        return f"{what} was signed for run {_shown(signed['run'])}, not {_shown(run_identity())} (another run's)"
     return None
+
+
+def run_identity() -> str:
+    """The run a signature binds: S3_OUTPUT_URI with its trailing '/', '' outside a pod. The same
+    on every restart and on every pod of the run; another run's differs."""
+    uri = os.environ.get(RUN_ENV, "")
+    return uri if not uri or uri.endswith("/") else uri + "/"
+
+
+def signed_complete(summary: dict) -> dict:
+    """COMPLETE's body: with CHECKPOINT_HMAC_KEY set, bound to this run and signed (another
+    domain than a manifest's: a manifest's hmac is never a valid COMPLETE's)."""
+    key = _hmac_key()
+    if not key:
+        return summary
+    body = json.loads(json.dumps({**summary, "run": run_identity()}))
+    body["hmac"] = _mac(key, b"run-complete\n", body)
+    return body
+
+
+def complete_problem(raw: bytes) -> str | None:
+    """None when the object at COMPLETE ends the run: without a key any object does (as before);
+    with one, only a JSON object signed with it for this run. Else why not."""
+    key = _hmac_key()
+    if not key:
+        return None
+    try:
+        body = json.loads(raw) if len(raw) <= MAX_COMPLETE_BYTES else None
+    except (ValueError, RecursionError):
+        body = None
+    if not isinstance(body, dict) or not isinstance(body.get("hmac"), str):
+        return f"it is not signed ({HMAC_KEY_ENV} is set)"
+    if not hmac.compare_digest(body["hmac"].encode(), _mac(key, b"run-complete\n", body).encode()):
+        return f"its hmac does not match {HMAC_KEY_ENV}"
+    return _binding_problem(body, None, "it")
+
+
+def _mac(key: bytes, domain: bytes, value: dict) -> str:
+    body = {k: v for k, v in value.items() if k != "hmac"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hmac.new(key, domain + canonical.encode(), hashlib.sha256).hexdigest()
 
 
 def _hmac_key() -> bytes | None:
@@ -243,6 +317,15 @@ def _shown(value) -> str:
     """A value from an untrusted manifest, as one short escaped token for a log line."""
     text = ascii(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # the volume's fault, not the checkpoint's
+
+
+def _not_written(name: str, err: OSError) -> Exception:
+    if err.errno in NO_ROOM:
+        return err
+    return ValueError(f"{name} could not be written here ({err.strerror or type(err).__name__})")
 
 
 def _check_file_name(name) -> None:
@@ -260,7 +343,7 @@ def verify(folder: Path, full: bool = True) -> str | None:
     manifest = _load_manifest(folder)
     if manifest is None:
         return f"no readable {MANIFEST}"
-    problem = manifest_problem(manifest)
+    problem = manifest_problem(manifest, folder.name)
     if problem:
         return problem
     files = sorted(manifest["files"].items())

@@ -141,8 +141,9 @@ def event(kind: str, source: str, /, **fields) -> None:
 
 
 def parse_event(line: str) -> dict | None:
-    """The event a line carries, or None (prose, or not an object)."""
-    line = line.strip()
+    """The event a line carries, or None (prose, or not an object). The line must start with
+    EVENT_PREFIX: text after anything else on a line (a quoted value, a carriage return) is prose."""
+    line = line.rstrip("\n")
     if not line.startswith(EVENT_PREFIX):
         return None
     try:
@@ -167,7 +168,8 @@ def wait(path: str, seconds: float, kind: str, fields: dict) -> dict | None:
     deadline = time.monotonic() + seconds
     while True:
         try:
-            with open(path, errors="replace") as file:
+            # newline="\n": a line ends at a newline only; a carriage return inside one starts none.
+            with open(path, errors="replace", newline="\n") as file:
                 for line in file:
                     record = parse_event(line)
                     if matches(record, kind, **fields):

@@ -4,7 +4,9 @@ A Kubernetes Job may run the same pod twice (and a pod cut off from the API serv
 Two pods writing one prefix would overwrite each other's checkpoints, so every writer first takes
 `lease.json` with a conditional PUT (If-None-Match: * to create, If-Match: <etag> to renew or to take
 over an expired one); S3 lets exactly one of two racing writers win. Expiry is judged on S3's clock
-(the object's LastModified against the response's Date), so pods' clock skew does not matter.
+(the object's LastModified against the response's Date), so pods' clock skew does not matter. A
+Date that is not one aware time (two Date headers joined by a proxy, a naive or garbled one) gives
+its first HTTP date, or else this pod's clock, as an answer with no Date does.
 
 The holder renews every ttl/3 from a thread. A holder that cannot prove its lease is fresh writes
 nothing; one whose renewal is refused (412) has lost it and stops. "Fresh" means its last renewal
@@ -15,12 +17,18 @@ applies it more than ttl/2 after its last check (a stalled request, a frozen pod
 
 Some S3-compatible stores ignore If-None-Match / If-Match on PUT: there both racing pods would
 win. So every acquire proves the store refuses what it must (two conditional PUTs of the lease it
-just took, which must fail with 412) and stops with exit 64 otherwise. S3_LEASE=off runs without a
+just took, which must fail with 412) and stops with exit 64 otherwise.
+
+COMPLETE ends the run (exit 3) only when it is one this run may trust (checkpoint.complete_problem):
+with CHECKPOINT_HMAC_KEY set, signed for this run. Another object there is said once and ignored:
+the pod goes on (the trainer resumes from the newest checkpoint, at its last step if the run was
+finished) and its final upload writes a signed COMPLETE over it. S3_LEASE=off runs without a
 lease at all (the state file says so; the uploader then checks nothing): one pod per prefix is then
 the operator's business.
 
     python lease.py acquire S3_OUTPUT_URI STATE_FILE   # waits while another live pod holds it
-    exit 0: held (token in STATE_FILE; or S3_LEASE=off), 3: the run is already COMPLETE, 64/75: errors
+    exit 0: held (token in STATE_FILE; or S3_LEASE=off), 3: the run is already COMPLETE (S3_LEASE=off:
+    checked only with CHECKPOINT_HMAC_KEY set, script.sh checks it otherwise), 64/75: errors
 
 Environment: LEASE_TTL_SECONDS (30, at least 3), LEASE_WAIT_SECONDS (3000), S3_LEASE (on|off).
 """
@@ -32,6 +40,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -41,6 +50,7 @@ from pathlib import Path
 
 import botocore.exceptions
 
+import checkpoint
 import contract
 import s3 as s3lib
 from s3 import Location, log
@@ -182,13 +192,7 @@ class Lease:
         return body["holder"], answer["ETag"], age, max(self.ttl, body["ttl"])
 
     def _complete(self) -> bool:
-        try:
-            self.s3.head_object(Bucket=self.run.bucket, Key=self.run.key("COMPLETE"))
-            return True
-        except botocore.exceptions.ClientError as err:
-            if s3lib.not_found(err):
-                return False
-            raise
+        return trusted_complete(self.s3, self.run)
 
     def _put(self, if_none_match: bool = False, if_match: str | None = None) -> bool:
         """A conditional write of the lease; False when another writer got there first."""
@@ -374,10 +378,56 @@ def _lease_body(raw: bytes) -> dict:
     return {"holder": holder[:200], "ttl": ttl}
 
 
+_untrusted_said: set[str] = set()
+
+
+def trusted_complete(s3, run: Location) -> bool:
+    """True when COMPLETE is there and ends the run: any object without CHECKPOINT_HMAC_KEY (a HEAD,
+    as before), with it one signed for this run (checkpoint.complete_problem); another is said once
+    and counts as none."""
+    key = run.key(contract.COMPLETE_KEY)
+    try:
+        if not os.environ.get(checkpoint.HMAC_KEY_ENV):
+            s3.head_object(Bucket=run.bucket, Key=key)
+            return True
+        answer = s3.get_object(Bucket=run.bucket, Key=key)
+    except botocore.exceptions.ClientError as err:
+        if s3lib.not_found(err):
+            return False
+        raise
+    problem = checkpoint.complete_problem(s3lib.read_body(answer, checkpoint.MAX_COMPLETE_BYTES))
+    if problem and answer["ETag"] not in _untrusted_said:
+        _untrusted_said.add(answer["ETag"])
+        log("lease", f"warning: {run}COMPLETE does not end this run: {problem}; the run goes on from its newest "
+                     "checkpoint and its final upload writes a signed COMPLETE")
+    return problem is None
+
+
+# An IMF-fixdate (RFC 9110), what S3 sends: the first one when two Date headers came joined by ", ".
+_HTTP_DATE = re.compile(r"(Mon|Tue|Wed|Thu|Fri|Sat|Sun), [0-9]{2} [A-Z][a-z]{2} [0-9]{4} [0-9]{2}:[0-9]{2}:[0-9]{2} GMT")
+_bad_date_said = False
+
+
+def server_time(date) -> datetime | None:
+    """S3's clock from a Date header's value: its first HTTP date, always aware (UTC); None when it
+    holds none."""
+    match = _HTTP_DATE.search(date) if isinstance(date, str) else None
+    try:
+        return email.utils.parsedate_to_datetime(match.group()).astimezone(timezone.utc) if match else None
+    except (TypeError, ValueError, OverflowError):  # "Mon, 99 Foo ..." matches and is no date
+        return None
+
+
 def _server_time(answer: dict) -> datetime:
+    global _bad_date_said
     date = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    if date:
-        return email.utils.parsedate_to_datetime(date)
+    found = server_time(date)
+    if found is not None:
+        return found
+    if date and not _bad_date_said:
+        _bad_date_said = True
+        log("lease", f"warning: S3's Date header {ascii(date)[:120]} holds no HTTP date; judging the lease's age "
+                     "on this pod's clock")
     return datetime.now(timezone.utc)
 
 
@@ -389,6 +439,9 @@ def main(argv: list[str]) -> int:
     def run() -> int:
         where = Location.parse(argv[1])
         if not lease_wanted():
+            if os.environ.get(checkpoint.HMAC_KEY_ENV) and s3lib.retrying("lease", where.bucket, name="lease")(
+                    trusted_complete, s3lib.client(), where):
+                return EXIT_COMPLETE  # with a key, script.sh leaves COMPLETE to this check
             NoLease.record(Path(argv[2]))
             contract.event("lease", "lease", state="off")
             log("lease", f"warning: S3_LEASE=off: no lease on {where}; a second pod there would overwrite "

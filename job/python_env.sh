@@ -17,8 +17,10 @@ REDACT_SED="$(dirname "${BASH_SOURCE[0]}")/redact.sed"
 
 # URL credentials hidden: requirements may name an index as https://user:TOKEN@host/simple, and
 # both requirements_met.py's list and pip's errors quote it.
+# One line, whatever pip quoted from its index: control characters become '?'.
 log() {
-  printf '%s python_env: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" | LC_ALL=C sed -E -f "${REDACT_SED}" >&2
+  local line="$*"
+  printf '%s python_env: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${line//[[:cntrl:]]/?}" | LC_ALL=C sed -E -f "${REDACT_SED}" >&2
 }
 die() { local code=$1; shift; log "error: $*"; exit "${code}"; }
 

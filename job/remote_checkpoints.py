@@ -58,7 +58,7 @@ def manifest_of(s3, ckpts: Location, name: str, retry) -> tuple[dict | None, str
         return None, str(damage)
     if manifest is None:
         return None, None
-    return manifest, checkpoint.manifest_problem(manifest)
+    return manifest, checkpoint.manifest_problem(manifest, name)  # signed for this folder and run, with a key
 
 
 # -- fetching ----------------------------------------------------------------------------------
@@ -88,11 +88,16 @@ def fetch(s3, ckpts: Location, name: str, manifest: dict, local_root: Path, retr
             return str(problem)
         return None
 
-    with checkpoint.stage(final) as staged:
-        problem = side_by_side(fetch_and_check, sorted(files.items()))
-        if problem:
-            return problem
-        staged.commit(meta=manifest.get("meta"))
+    try:
+        with checkpoint.stage(final) as staged:
+            problem = side_by_side(fetch_and_check, sorted(files.items()))
+            if problem:
+                return problem
+            staged.commit(meta=manifest.get("meta"))
+    except OSError as err:  # staging folder, manifest, renames: this checkpoint cannot be had here
+        if err.errno in checkpoint.NO_ROOM:
+            raise s3lib.BadInput(f"restore: {s3lib.explain(err, ckpts.bucket)}") from None
+        return f"it could not be written here ({err.strerror or type(err).__name__})"
     took = time.monotonic() - started
     log("restore", f"restored {final.name}: {size / 1e6:.1f} MB in {took:.1f}s "
                    f"({size / 1e6 / max(took, 1e-3):.0f} MB/s), verified against its manifest")

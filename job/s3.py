@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -53,8 +54,19 @@ class Stop(Exception):
 
 
 def log(name: str, message: str) -> None:
+    """One line on the pod's log, whatever the message quotes (a lease holder, an S3 error's text)."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    print(f"{stamp} {name}: {message}", flush=True)
+    print(f"{stamp} {name}: {printable(message)}", flush=True)
+
+
+# Line breaks, carriage returns, terminal escapes: a text from S3 or the network that carries one
+# could start a line of its own on the pod's log (a forged EVENT or exit line) or redraw a terminal.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def printable(text: str) -> str:
+    """TEXT with every control character written as its escape (a newline as \\n, ESC as \\x1b)."""
+    return _CONTROL.sub(lambda found: ascii(found.group())[1:-1], text)
 
 
 @dataclass(frozen=True)

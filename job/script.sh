@@ -33,6 +33,10 @@
 #   RDZV_ENDPOINT          MASTER_ADDR:MASTER_PORT  host:port of node 0's c10d rendezvous (NNODES > 1); node 0 also
 #                                                   tells the others on port+1 which checkpoint they all resume from
 #   RDZV_TIMEOUT_SECONDS   900                      how long a node waits for the others to be there (>= 10)
+#   GROUP_SECRET           unset                    NNODES > 1: signs every question to node 0 and its answer, the
+#                                                   same in every pod (16 bytes or more, never printed; submit.py
+#                                                   makes it a Secret); unset: derived from CHECKPOINT_HMAC_KEY,
+#                                                   and with neither a group is refused (64)
 # The node rank (NNODES > 1): JOB_COMPLETION_INDEX (Indexed Job, JobSet), else PET_NODE_RANK, else
 # RANK (PyTorchJob). Node 0 alone takes the lease, uploads and writes COMPLETE; every node restores
 # the step node 0 chose. A node that loses a peer mid-run exits 138 so the whole group restarts; so
@@ -87,7 +91,12 @@ PYTHON=python3
 STARTED_MS=$(date +%s%3N)
 POD_TOKEN=${RANDOM}${RANDOM}-${STARTED_MS}  # this pod, to node 0: a replacement of a node has another
 
-log() { printf '%s script: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*"; }
+# One line whatever it quotes (the AWS CLI's last line, a setting): a control character from S3 or
+# the network becomes '?', so none starts a line of its own (a forged EVENT) or redraws a terminal.
+log() {
+  local line="$*"
+  printf '%s script: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${line//[[:cntrl:]]/?}"
+}
 warn() { log "warning: $*" >&2; }
 die() {
   local code=$1; shift
@@ -415,6 +424,20 @@ check_group() {
   RDZV_TIMEOUT_SECONDS=${RDZV_TIMEOUT_SECONDS:-900}
   check_seconds RDZV_TIMEOUT_SECONDS 10 "how long a node waits for the others, which start seconds apart at best"
   export NODE_RANK RDZV_ENDPOINT RDZV_TIMEOUT_SECONDS
+  check_group_secret
+}
+
+# Node 0 answers only requests signed with the group's secret (job/group.py): without one any pod
+# on the network could stop the group. Never shown, not even its length.
+check_group_secret() {
+  if [[ -z "${GROUP_SECRET:-}" && -z "${CHECKPOINT_HMAC_KEY:-}" ]]; then
+    die "${EXIT_BAD_INPUT}" "NNODES=${NNODES} but GROUP_SECRET is not set: node 0 would answer any pod on the network; render the group with scripts/submit.py (it makes the Secret <run>-group), or set GROUP_SECRET from a Secret of your own (16 bytes or more, the same in every pod of the group)"
+  fi
+  [[ -n "${GROUP_SECRET:-}" ]] || return 0
+  local LC_ALL=C  # ${#...} counts bytes
+  ((${#GROUP_SECRET} >= 16)) ||
+    die "${EXIT_BAD_INPUT}" "GROUP_SECRET is set but shorter than 16 bytes (its value is not shown); put a random one in its Secret (e.g. openssl rand -hex 32), the same in every pod of the group"
+  export GROUP_SECRET
 }
 
 node0() { ((NODE_RANK == 0)); }
@@ -551,7 +574,14 @@ complete_key() {
   echo "${S3_OUTPUT_URI#s3://"${bucket}"/}COMPLETE"
 }
 
-already_complete() { ((COMPLETE_FOUND)); }
+# With CHECKPOINT_HMAC_KEY set, only a COMPLETE signed for this run ends it: lease.py judges that
+# with the pod's Python (node 0 then tells the others), so here it is only a hint.
+already_complete() {
+  ((COMPLETE_FOUND)) || return 1
+  [[ -n "${CHECKPOINT_HMAC_KEY:-}" ]] || return 0
+  log "${S3_OUTPUT_URI}COMPLETE exists; CHECKPOINT_HMAC_KEY is set, so its signature decides (checked with the lease)"
+  return 1
+}
 
 # -- the phases ---------------------------------------------------------------------------------
 
@@ -681,7 +711,7 @@ group_state() { echo "${STATE_DIR}/group.json"; }
 start_group_server() {
   ((NNODES > 1)) || return 0
   python3 "${JOB_DIR}/group.py" say "$(group_state)" "${S3_OUTPUT_URI}" waiting >/dev/null
-  python3 "${JOB_DIR}/group.py" serve "${GROUP_PORT}" "$(group_state)" &
+  python3 "${JOB_DIR}/group.py" serve "${GROUP_PORT}" "$(group_state)" "${S3_OUTPUT_URI}" "${NNODES}" &
   GROUP_SERVER_PID=$!
 }
 
@@ -724,7 +754,7 @@ wait_for_node0_finish() {
   local answer="${STATE_DIR}/group-finish" code=0
   # A child, so a SIGTERM meanwhile (a preemption) ends the wait at once: exit 143.
   run_child --output "${answer}" python3 "${JOB_DIR}/group.py" finish "${RDZV_HOST}:${GROUP_PORT}" \
-    "${S3_OUTPUT_URI}" "${NODE0_GONE_SECONDS}" || code=$?
+    "${S3_OUTPUT_URI}" "${NODE0_GONE_SECONDS}" "${NODE_RANK}" "${POD_TOKEN}" || code=$?
   ((code == 0)) || log "$(tail -n 1 "${answer}")"
   return "${code}"
 }

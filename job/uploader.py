@@ -14,7 +14,8 @@ file being written never goes up cut mid-record) and this attempt's log (up to i
 gained since the last round, each as a new object (FILE.NNNNNNNN, logs/attempt-NNNN-POD/NNNNNNNN.log),
 and status.json, the run's state for scripts/status.py. `final` does one last round; after exit code 0
 it writes COMPLETE, last of all, once the trainer's last step is in S3 (the step progress.json
-reports as max_steps; for a trainer that writes no progress.json, its newest committed step).
+reports as max_steps; for a trainer that writes no progress.json, its newest committed step);
+with CHECKPOINT_HMAC_KEY set, signed for this run (checkpoint.signed_complete).
 
 Checkpoints come first and depend on nothing else: status.json and the growing files each fail on
 their own (a warning, a backoff of their own). A status.json in S3 that is not what this uploader
@@ -386,10 +387,11 @@ class Uploader:
                    "best_val_loss": progress.get("best_val_loss"), "best_step": progress.get("best_step"),
                    "attempts": len(self.attempts) or 1, "wall_seconds": round(seconds, 1),
                    "completed_at": time.time(), "pod": self.attempt.get("pod", _pod_name())}
+        summary = checkpoint.signed_complete(summary)  # with CHECKPOINT_HMAC_KEY: bound to this run, signed
         log("uploader", "writing COMPLETE...")
         contract.event("complete", "uploader", state="writing", step=last)
-        s3lib.put_json(self.s3, self.run, self.run.key("COMPLETE"), summary, self.write)
-        log("uploader", f"wrote {self.run}COMPLETE: {json.dumps(summary)}")
+        s3lib.put_json(self.s3, self.run, self.run.key(contract.COMPLETE_KEY), summary, self.write)
+        log("uploader", f"wrote {self.run}COMPLETE: {json.dumps({k: v for k, v in summary.items() if k != 'hmac'})}")
         contract.event("complete", "uploader", state="written", step=last)
         return True
 

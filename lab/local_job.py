@@ -618,7 +618,8 @@ def one_of_kind(documents: list[dict], api: str, kind: str, path: Path) -> dict:
 
 
 def configmaps_of(documents: list[dict]) -> list[dict]:
-    return [d for d in documents if (d.get("apiVersion"), d.get("kind")) == ("v1", "ConfigMap")]
+    """The ConfigMaps and Secrets of a stream: what the pods' volumes and env read from it."""
+    return [d for d in documents if (d.get("apiVersion"), d.get("kind")) in (("v1", "ConfigMap"), ("v1", "Secret"))]
 
 
 def write_stream(path: Path, documents: list[dict]) -> Path:

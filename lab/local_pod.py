@@ -14,7 +14,7 @@ next pod (restartPolicy is the Job's business). What a pod gets:
   configMap volumes from a ConfigMap of that name in the manifest's own YAML stream (as
   `kubectl apply -f` of the stream creates it), else rendered by `kubectl create configmap NAME
   --from-file=DIR --dry-run=client` from --configmap NAME=DIR, else from the job/ folder next to
-  job.yaml; volumeMounts with
+  job.yaml; env secretKeyRef from a Secret (data or stringData) of the stream; volumeMounts with
   subPath and readOnly; a private /tmp (read-only too under readOnlyRootFilesystem, as in a
   real container) and a private 64Mi /dev/shm;
 - an image's user database: /etc/passwd and /etc/group as an Ubuntu-based image such as
@@ -45,7 +45,8 @@ stderr, prefixed "local_pod: ". Exit status: the container's (128+N when killed 
 128 when the container could not start, 64 for bad input. Needs root (namespaces, mounts).
 
 Not supported (exit 64 where the manifest asks for it): volume types other than emptyDir and
-configMap, init containers, httpGet/tcpSocket/grpc probes, required Secrets (use --env). Sidecar
+configMap, init containers, httpGet/tcpSocket/grpc probes, required Secrets that the stream does
+not hold (use --env), envFrom of a Secret (only optional ones, skipped). Sidecar
 containers are ignored (only the first container runs). No network namespace: the pod shares the
 host's network, on its own address in 127.0.0.0/8 (all of it is on lo), so ports are shared: two
 pods binding 0.0.0.0:29400 collide, where in a cluster each pod has its own; a pod binding its
@@ -224,6 +225,19 @@ def load_stream(path: Path) -> tuple[dict, dict[str, dict[str, bytes]]]:
     return jobs[0], configmaps
 
 
+def stream_secrets(path: Path) -> dict[str, dict[str, bytes]]:
+    """The Secrets of a manifest's stream by name (what `kubectl apply -f` of it would create)."""
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
+    return {(d.get("metadata") or {}).get("name"): secret_data(d)
+            for d in docs if (d.get("apiVersion"), d.get("kind")) == ("v1", "Secret")}
+
+
+def secret_data(secret: dict) -> dict[str, bytes]:
+    data = {key: base64.b64decode(blob) for key, blob in (secret.get("data") or {}).items()}
+    data.update({key: str(text).encode() for key, text in (secret.get("stringData") or {}).items()})
+    return data
+
+
 def configmap_data(configmap: dict) -> dict[str, bytes]:
     data = {key: str(text).encode() for key, text in (configmap.get("data") or {}).items()}
     data.update({key: base64.b64decode(blob) for key, blob in (configmap.get("binaryData") or {}).items()})
@@ -299,9 +313,11 @@ class ConfigMaps:
     """Where each ConfigMap lives locally, rendered once by the real kubectl."""
 
     def __init__(self, explicit: dict[str, Path], default_dir: Path,
-                 inline: dict[str, dict[str, bytes]] | None = None):
+                 inline: dict[str, dict[str, bytes]] | None = None,
+                 secrets: dict[str, dict[str, bytes]] | None = None):
         self.explicit, self.default_dir, self.cache = explicit, default_dir, {}
         self.inline = inline or {}  # ConfigMaps in the manifest's own stream: used first
+        self.secrets = secrets or {}  # the stream's Secrets: the only ones there are here
 
     def data(self, name: str, optional: bool, use_default: bool = True) -> dict[str, bytes] | None:
         if name in self.inline:
@@ -489,7 +505,7 @@ def env_item_value(item: dict, facts: dict, meta: dict, configmaps: ConfigMaps, 
         if ref is None:
             continue
         optional = bool(ref.get("optional"))
-        data = configmaps.data(ref["name"], optional) if kind == "configMapKeyRef" else None
+        data = configmaps.data(ref["name"], optional) if kind == "configMapKeyRef" else configmaps.secrets.get(ref["name"])
         if data is not None and ref["key"] in data:
             return data[ref["key"]].decode(errors="replace")
         if optional:
@@ -537,7 +553,8 @@ def load_pod(job_path: Path, overrides: dict[str, str], configmap_dirs: dict[str
     meta["labels"] = {**(meta.get("labels") or {}), **job_labels}
     if index is not None:
         mark_completion_index(meta, container, index)
-    configmaps = ConfigMaps(configmap_dirs, job_path.resolve().parent / "job", stream_configmaps)
+    configmaps = ConfigMaps(configmap_dirs, job_path.resolve().parent / "job", stream_configmaps,
+                            stream_secrets(job_path))
     manifest_env = container_env(container, facts, meta, configmaps, overrides)
     # The host is the image, so its PATH is the image's PATH.
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOSTNAME": hostname or pod_name, **manifest_env}

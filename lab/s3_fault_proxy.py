@@ -25,6 +25,10 @@ signatures; a real S3 would refuse the stripped, signed headers.) Stats count th
 conditions_ignored. With refuse_conditional_writes it plays a store that answers such writes with
 501 NotImplemented instead (counted in conditions_refused).
 
+With duplicate_date, every answer relayed from the upstream carries its Date header twice, the
+second a second later, as some endpoints and proxies send it (HTTP clients join the two into one
+value, "Tue, 25 Nov ... GMT, Tue, 25 Nov ... GMT"); counted in dates_duplicated.
+
 body_seconds_per_mb plays a slow uplink: every request body is read from the client at that pace
 (1 MB per body_seconds_per_mb seconds, in pieces of up to 1 MB), so an upload takes as long as it
 would over a slow network while its client keeps sending.
@@ -62,6 +66,8 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import datetime
+import email.utils
 import http.client
 import http.server
 import ipaddress
@@ -69,6 +75,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import struct
@@ -104,9 +111,9 @@ HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
     "te", "trailer", "transfer-encoding", "upgrade",
 }
-# Query parameters of presigned URLs that are credentials or signatures.
-SECRET_QUERY_KEYS = {"x-amz-signature", "x-amz-credential", "x-amz-security-token", "signature",
-                     "awsaccesskeyid"}
+# Query parameters whose names look secret (presigned URLs' signatures and credentials, tokens): the
+# rule job/redact.sed applies to the pod's output.
+SECRET_QUERY_NAME = re.compile(r"token|key|secret|sig|pass|pwd|cred|auth|^x-amz-", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +129,7 @@ class FaultSettings:
     ignore_conditional_writes: bool = False
     refuse_conditional_writes: bool = False
     body_seconds_per_mb: float = 0.0
+    duplicate_date: bool = False
     verbose: bool = False
 
     def validated(self) -> FaultSettings:
@@ -146,7 +154,7 @@ SETTING_TYPES = {
     "error_statuses": lambda v: tuple(int(s) for s in v),
     "reset_points": lambda v: tuple(str(p) for p in v),
     "outage_fault": str, "slow_match": str, "ignore_conditional_writes": bool,
-    "refuse_conditional_writes": bool, "body_seconds_per_mb": float, "verbose": bool,
+    "refuse_conditional_writes": bool, "body_seconds_per_mb": float, "duplicate_date": bool, "verbose": bool,
 }
 CONDITIONAL_HEADERS = {"if-none-match", "if-match"}
 WRITE_METHODS = {"PUT", "POST", "DELETE"}
@@ -277,6 +285,7 @@ class FaultProxy:
                 "upstream_failures": self._upstream_failures,
                 "conditions_ignored": self._conditions_ignored,
                 "conditions_refused": self._conditions_refused,
+                "dates_duplicated": self._dates_duplicated,
                 "recent": list(self._recent),
             }
 
@@ -291,6 +300,7 @@ class FaultProxy:
         self._upstream_failures = 0
         self._conditions_ignored = 0
         self._conditions_refused = 0
+        self._dates_duplicated = 0
         self._recent: collections.deque[tuple[float, str, str, str]] = collections.deque(
             maxlen=self._history)
 
@@ -307,6 +317,23 @@ class FaultProxy:
                 return False
             self._conditions_refused += 1
             return True
+
+    def answer_headers(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The upstream's answer headers as the client gets them: with duplicate_date, a second
+        Date header (a second later) after the first."""
+        with self._lock:
+            if not self._settings.duplicate_date:
+                return headers
+            self._dates_duplicated += 1
+        extra = []
+        for name, value in headers:
+            if name.lower() == "date":
+                try:
+                    later = email.utils.parsedate_to_datetime(value) + datetime.timedelta(seconds=1)
+                    extra.append((name, email.utils.format_datetime(later, usegmt=True)))
+                except (TypeError, ValueError):
+                    extra.append((name, value))
+        return headers + extra
 
     def forwards_header(self, method: str, name: str) -> bool:
         """False for a conditional write's condition when playing a store that ignores them."""
@@ -586,8 +613,8 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
 
     def _relay(self, response: http.client.HTTPResponse, cut_after: int | None = None) -> None:
         """The upstream's answer to the client; with `cut_after`, only that many bytes of its body."""
-        headers = [(name, value) for name, value in response.getheaders()
-                   if name.lower() not in HOP_BY_HOP]
+        headers = self.server.proxy.answer_headers([(name, value) for name, value in response.getheaders()
+                                                    if name.lower() not in HOP_BY_HOP])
         has_no_body = (self.command == "HEAD" or response.status in (204, 304)
                        or 100 <= response.status < 200)
         chunked = False
@@ -728,7 +755,7 @@ def _redacted(target: str) -> str:
 
 def _redacted_parameter(part: str) -> str:
     raw_key = part.partition("=")[0]
-    if urllib.parse.unquote_plus(raw_key).lower() in SECRET_QUERY_KEYS:
+    if SECRET_QUERY_NAME.search(urllib.parse.unquote_plus(raw_key)):
         return f"{raw_key}=REDACTED"
     return part
 
@@ -779,6 +806,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="answer writes with If-None-Match or If-Match with 501 NotImplemented")
     parser.add_argument("--body-seconds-per-mb", type=float, default=0.0,
                         help="read request bodies at this pace: a slow uplink")
+    parser.add_argument("--duplicate-date", action="store_true",
+                        help="every relayed answer carries its Date header twice")
     parser.add_argument("--outage-fault", choices=OUTAGE_FAULTS, default="503")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true", help="log each injected fault to stderr")
@@ -806,7 +835,8 @@ def main(argv: list[str] | None = None) -> int:
             reset_points=args.reset_points.split(","), outage_fault=args.outage_fault,
             slow_match=args.slow_match, ignore_conditional_writes=args.ignore_conditional_writes,
             refuse_conditional_writes=args.refuse_conditional_writes,
-            body_seconds_per_mb=args.body_seconds_per_mb, verbose=args.verbose)
+            body_seconds_per_mb=args.body_seconds_per_mb, duplicate_date=args.duplicate_date,
+            verbose=args.verbose)
     except ValueError as error:
         print(f"s3_fault_proxy: {error}", file=sys.stderr)
         return 2

@@ -9,8 +9,12 @@ Usage:
 
 Prints one YAML stream (--dry-run, the default) or pipes it to `kubectl apply -f -` (--apply): the
 ConfigMap made from job/ by `kubectl create configmap script-configmap --from-file=job/ --dry-run=client`,
-a headless Service where the engine needs one, and the workload. The Secret is only referenced (the
-pod's `envFrom: aws-credentials, optional`, as in job.yaml); credentials never pass through here.
+for a group the Secret <run>-group (GROUP_SECRET, a random key made at each render: node 0 answers
+only requests signed with it; --apply keeps the one a cluster already has), a NetworkPolicy <run>
+(the run's pods admit connections from the run's pods only), a headless Service where the engine
+needs one, and the workload. The stream holds the group's key: keep it like the Secret it is. The
+AWS Secret is only referenced (the pod's `envFrom: aws-credentials, optional`, as in job.yaml);
+credentials never pass through here. Values set from flags are literal: a '$' is written '$$'.
 
 Every workload starts from job.yaml's pod template (read, deep-copied) and changes only what its
 engine needs: names and labels, the image, env values, nvidia.com/gpu, the replica counts and the
@@ -65,6 +69,7 @@ The runtime contract: what job/script.sh reads in a pod of N > 1 (its header say
     NPROC_PER_NODE    processes per pod, = --gpus-per-node (the same in every pod)
     TRAIN_CONFIG      relative to the code, as today
     TRAIN_SCRIPT      set only with --train-script (default train.py)
+    GROUP_SECRET      from the Secret <run>-group (secretKeyRef, required: no pod starts without it)
     PEER_LOST_EXIT_CODE = 138: a pod whose group lost a member after it had trained a step exits 138
                       (not counted by the indexed Job, retried by the PyTorchJob). A rendezvous that
                       never forms, or a group that fails before its first step, ends in 75 instead,
@@ -72,8 +77,8 @@ The runtime contract: what job/script.sh reads in a pod of N > 1 (its header say
 
 What is validated (tests/test_submit.py), and what is not:
 
-    Job, Service, ConfigMap   kubernetes-validate --strict, every bundled Kubernetes version from 1.29
-                              (official OpenAPI schemas; unknown fields are errors). The JobSet's child
+    Job, Service, ConfigMap,  kubernetes-validate --strict, every bundled Kubernetes version from 1.29
+    Secret, NetworkPolicy     (official OpenAPI schemas; unknown fields are errors). The JobSet's child
                               Job and the PyTorchJob's pod templates are also checked that way, wrapped
                               as a batch/v1 Job and a v1 PodTemplate.
     JobSet                    jsonschema against the CRD's openAPIV3Schema of JobSet v0.10.0 and
@@ -100,8 +105,10 @@ Exit codes: 0; 64 bad input (a flag, job.yaml unreadable, no kubectl, the cluste
 from __future__ import annotations
 
 import argparse
+import base64
 import copy
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -125,6 +132,7 @@ PYTORCHJOB_CONTAINER = "pytorch"          # the operator injects its env only in
 PYTORCHJOB_PORT_NAME = "pytorchjob-port"  # MASTER_PORT comes from this port of the Master
 PYTORCHJOB_PORT = 23456
 CONFIGMAP = "script-configmap"
+GROUP_SECRET_KEY = "GROUP_SECRET"  # job/group.py: signs every question to node 0 and its answer
 # <run>-node-0-0 (JobSet) and <run>-<index> (Indexed Job) are pod hostnames: at most 63 characters.
 MAX_NAME = 40
 NAME_RULE = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -209,13 +217,23 @@ def load_job(path: Path = JOB_YAML) -> dict:
 
 
 def set_env(container: dict, name: str, value: str) -> None:
-    """Replace the value of `name` where job.yaml has it (keeping its place), else append it."""
-    for entry in container.setdefault("env", []):
-        if entry["name"] == name:
-            entry.clear()
-            entry.update(name=name, value=value)
+    """Replace the value of `name` where job.yaml has it (keeping its place), else append it. The
+    value is literal: Kubernetes expands $(VAR) in env values, so a '$' is written '$$'."""
+    set_env_entry(container, {"name": name, "value": literal_env_value(value)})
+
+
+def literal_env_value(value: str) -> str:
+    """Kubernetes' own escape: '$$' is a '$', so "$(AWS_SECRET_ACCESS_KEY)" in a flag's value
+    reaches the pod as those characters, never as the credential it names."""
+    return value.replace("$", "$$")
+
+
+def set_env_entry(container: dict, entry: dict) -> None:
+    for index, existing in enumerate(container.setdefault("env", [])):
+        if existing["name"] == entry["name"]:
+            container["env"][index] = entry
             return
-    container["env"].append({"name": name, "value": value})
+    container["env"].append(entry)
 
 
 def set_gpus(container: dict, gpus: int) -> None:
@@ -265,6 +283,43 @@ def group_env(args: argparse.Namespace, job: dict, rdzv_endpoint: str | None) ->
     return env
 
 
+# -- what a group's pods share, and who may reach them ----------------------------------------------
+
+def group_secret_name(run: str) -> str:
+    return f"{run}-group"
+
+
+def group_secret(run: str) -> dict:
+    """The group's Secret: a random key made here, once per render (job/group.py signs every
+    question to node 0, and node 0 its answers, with it). It exists only in this stream and the
+    cluster; --apply keeps one the cluster already has (see keep_existing_group_secret)."""
+    value = base64.b64encode(secrets.token_hex(32).encode()).decode()
+    return {"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": group_secret_name(run), "labels": {"app.kubernetes.io/name": run}},
+            "type": "Opaque", "data": {GROUP_SECRET_KEY: value}}
+
+
+def use_group_secret(template: dict, run: str) -> None:
+    """GROUP_SECRET from the group's Secret in the pod's env (required: a pod without it does not
+    start, it never joins a group unauthenticated)."""
+    set_env_entry(template["spec"]["containers"][0], {"name": GROUP_SECRET_KEY, "valueFrom": {
+        "secretKeyRef": {"name": group_secret_name(run), "key": GROUP_SECRET_KEY}}})
+
+
+def network_policy(run: str) -> dict:
+    """Every port of the run's pods admits the run's own pods and nothing else: node 0's answer
+    server (rendezvous port + 1), torch's rendezvous store (whose state torch unpickles: a write to
+    it runs code in every pod of the group) and the collectives' own ports alike. Egress is left
+    as it is (S3, the package index). A pod is the run's by its label app.kubernetes.io/name,
+    which only who may create pods in the namespace can give it."""
+    def pods():  # a dict each time: one object twice would come out as a YAML anchor and alias
+        return {"matchLabels": {"app.kubernetes.io/name": run}}
+
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": run, "labels": {"app.kubernetes.io/name": run}},
+            "spec": {"podSelector": pods(), "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": pods()}]}]}}
+
+
 def container_name(job: dict) -> str:
     return job["spec"]["template"]["spec"]["containers"][0]["name"]
 
@@ -279,7 +334,7 @@ def render_job(job: dict, args: argparse.Namespace) -> list[dict]:
     rendered = copy.deepcopy(job)
     rendered["metadata"] = named(job["metadata"], args.name)
     rendered["spec"]["template"] = pod_template(job, args, {})
-    return [rendered]
+    return [network_policy(args.name), rendered]
 
 
 def headless_service(name: str, selector: dict[str, str]) -> dict:
@@ -305,8 +360,9 @@ def render_indexed(job: dict, args: argparse.Namespace) -> list[dict]:
     endpoint = f"{args.name}-0.{args.name}:{RDZV_PORT}"
     spec["template"] = pod_template(job, args, group_env(args, job, endpoint))
     spec["template"]["spec"]["subdomain"] = args.name
+    use_group_secret(spec["template"], args.name)
     service = headless_service(args.name, {"batch.kubernetes.io/job-name": args.name})
-    return [service, rendered]
+    return [group_secret(args.name), network_policy(args.name), service, rendered]
 
 
 def render_jobset(job: dict, args: argparse.Namespace) -> list[dict]:
@@ -321,6 +377,7 @@ def render_jobset(job: dict, args: argparse.Namespace) -> list[dict]:
     ]}
     endpoint = f"{args.name}-{JOBSET_REPLICATED_JOB}-0-0.{args.name}:{RDZV_PORT}"
     child["template"] = pod_template(job, args, group_env(args, job, endpoint))
+    use_group_secret(child["template"], args.name)
     jobset = {
         "apiVersion": JOBSET_API, "kind": "JobSet",
         "metadata": named(job["metadata"], args.name),
@@ -344,7 +401,7 @@ def render_jobset(job: dict, args: argparse.Namespace) -> list[dict]:
     }
     if "ttlSecondsAfterFinished" in job["spec"]:
         jobset["spec"]["ttlSecondsAfterFinished"] = job["spec"]["ttlSecondsAfterFinished"]
-    return [jobset]
+    return [group_secret(args.name), network_policy(args.name), jobset]
 
 
 def render_pytorchjob(job: dict, args: argparse.Namespace) -> list[dict]:
@@ -353,6 +410,7 @@ def render_pytorchjob(job: dict, args: argparse.Namespace) -> list[dict]:
     container = template["spec"]["containers"][0]
     container["name"] = PYTORCHJOB_CONTAINER
     container["ports"] = [{"name": PYTORCHJOB_PORT_NAME, "containerPort": PYTORCHJOB_PORT, "protocol": "TCP"}]
+    use_group_secret(template, args.name)
     replica = {"replicas": 1, "restartPolicy": "ExitCode", "template": template}
     replicas = {"Master": replica}
     if args.nodes > 1:
@@ -361,7 +419,8 @@ def render_pytorchjob(job: dict, args: argparse.Namespace) -> list[dict]:
     run_policy = {"cleanPodPolicy": "Running"}  # a failed run's pods go, not wait holding GPUs
     if "ttlSecondsAfterFinished" in job["spec"]:
         run_policy["ttlSecondsAfterFinished"] = job["spec"]["ttlSecondsAfterFinished"]
-    return [{"apiVersion": PYTORCHJOB_API, "kind": "PyTorchJob",
+    return [group_secret(args.name), network_policy(args.name),
+            {"apiVersion": PYTORCHJOB_API, "kind": "PyTorchJob",
              "metadata": named(job["metadata"], args.name),
              "spec": {"nprocPerNode": env["NPROC_PER_NODE"], "runPolicy": run_policy,
                       "pytorchReplicaSpecs": replicas}}]
@@ -371,7 +430,7 @@ RENDERERS = {"job": render_job, "indexed": render_indexed, "jobset": render_jobs
 
 
 def render(args: argparse.Namespace, job: dict | None = None) -> list[dict]:
-    """The workload (and its Service), without the ConfigMap."""
+    """The workload (and its Service, its group's Secret, its NetworkPolicy), without the ConfigMap."""
     return RENDERERS[args.engine](load_job() if job is None else job, args)
 
 
@@ -393,6 +452,21 @@ def render_configmap(job_dir: Path = JOB_DIR) -> dict:
     configmap = yaml.safe_load(result.stdout)
     configmap["metadata"].pop("creationTimestamp", None)
     return configmap
+
+
+def keep_existing_group_secret(documents: list[dict]) -> list[dict]:
+    """The stream without the group's Secret when the cluster has it already: applied again while
+    the run's pods run, a new key would keep a replaced pod out of its group (it would ask node 0
+    with another key) until the whole group restarted."""
+    secret = next((d for d in documents if d["kind"] == "Secret"), None)
+    if secret is None:
+        return documents
+    found = subprocess.run([kubectl(), "get", "secret", secret["metadata"]["name"], "-o", "name", "--request-timeout=20s"],
+                           capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if found.returncode != 0:  # not there, or not readable: this render's key goes up
+        return documents
+    print(f"submit.py: keeping the cluster's Secret {secret['metadata']['name']} (the group's key)", file=sys.stderr)
+    return [d for d in documents if d is not secret]
 
 
 def apply(stream: str) -> None:
@@ -419,11 +493,11 @@ def to_yaml(documents: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        stream = to_yaml([render_configmap(), *render(args)])
+        documents = [render_configmap(), *render(args)]
         if args.apply:
-            apply(stream)
+            apply(to_yaml(keep_existing_group_secret(documents)))
         else:
-            sys.stdout.write(stream)
+            sys.stdout.write(to_yaml(documents))
     except BadInput as error:
         print(f"submit.py: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

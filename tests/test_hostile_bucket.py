@@ -7,6 +7,7 @@ the real restore, and the real job.yaml through the local pod runner."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -175,6 +176,59 @@ def test_with_a_key_only_a_signed_checkpoint_is_restored(s3, tmp_path, capsys, m
     assert restore(s3, tmp_path / "plain-out") == NEW, "without a key, signatures are not looked at"
 
 
+def test_a_step_name_too_long_for_the_disk_is_no_checkpoint(s3, tmp_path, capsys):
+    # Seen before: "step-" and 240 digits, newest of all, raised "File name too long" (exit 1, every pod).
+    old_checkpoint_in_s3(s3, tmp_path)
+    made = make_checkpoint(tmp_path / "made" / NEW, {"model.pt": b"new weights"}, 10)
+    upload(s3, made, "step-" + "9" * 240)
+    assert restore(s3, tmp_path / "out") == OLD
+    assert "Traceback" not in capsys.readouterr().out
+
+
+def test_a_disk_error_while_receiving_makes_the_checkpoint_damaged_not_a_crash(s3, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("S3_RETRY_SECONDS", "3")  # taken for an outage, it would be retried this long, then 75
+    old_checkpoint_in_s3(s3, tmp_path)
+    upload(s3, make_checkpoint(tmp_path / "made" / NEW, {"model.pt": b"new weights"}, 10), NEW)
+    real_fsync = os.fsync
+
+    def failing_disk(fd):  # the OS's error, for NEW's files only: no failing disk here
+        if f".staging-{NEW}-" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_disk)
+    assert restore(s3, tmp_path / "out") == OLD
+    said = capsys.readouterr().out
+    assert f"warning: {NEW} in S3 is damaged (model.pt could not be written here (Input/output error))" in said, said
+
+
+RUN_URI = f"s3://{BUCKET}/{PREFIX}"
+
+
+@pytest.mark.parametrize("copy", ["under a newer step's name", "from another run", "best/ as a step"])
+def test_with_a_key_a_signed_checkpoint_counts_only_as_the_folder_and_run_it_was_signed_for(
+        s3, tmp_path, capsys, monkeypatch, copy):
+    # Seen before: a writer without the key copied a signed step-00000010/ to step-99999999/, and every
+    # later pod restored it and resumed at step 10, forever.
+    monkeypatch.setenv("CHECKPOINT_HMAC_KEY", KEY)
+    monkeypatch.setenv("S3_OUTPUT_URI", RUN_URI)
+    old_checkpoint_in_s3(s3, tmp_path)
+    if copy == "from another run":
+        monkeypatch.setenv("S3_OUTPUT_URI", f"s3://{BUCKET}/another-run/")
+    source = "best" if copy == "best/ as a step" else NEW
+    made = make_checkpoint(tmp_path / "made" / source, {"model.pt": b"new weights"}, 10)
+    target = NEW if copy == "from another run" else "step-99999999"
+    upload(s3, made, target)
+    monkeypatch.setenv("S3_OUTPUT_URI", RUN_URI)
+    assert restore(s3, tmp_path / "out") == OLD
+    said = capsys.readouterr().out
+    expected = (f"its manifest was signed for run 's3://{BUCKET}/another-run/', not '{RUN_URI}'"
+                if copy == "from another run" else f"its manifest was signed for folder '{source}', not 'step-99999999'")
+    assert f"warning: {target} in S3 is damaged ({expected}" in said, said
+    monkeypatch.delenv("CHECKPOINT_HMAC_KEY")
+    assert restore(s3, tmp_path / "plain-out") == target, "without a key, as before: nothing is bound"
+
+
 def test_a_torch_older_than_2_6_refuses_to_load_a_checkpoint_with_exit_64(tmp_path):
     data, cfg, out = write_corpus(tmp_path / "data"), write_config(tmp_path / "tiny.yaml"), tmp_path / "out"
     first = subprocess.run(train_command(cfg, data, out, extra=("--set", "train.max_steps=5")),
@@ -218,7 +272,7 @@ def test_a_manifest_naming_the_trainer_cannot_replace_it(run):
 
 @root_only
 @pytest.mark.slow
-def test_a_signed_run_skips_a_forged_checkpoint_and_never_shows_its_key(run):
+def test_a_signed_run_skips_a_forged_checkpoint_and_never_shows_its_key(run, monkeypatch):
     code, pod = run.run(CHECKPOINT_HMAC_KEY=KEY, TRAIN_ARGS="--set train.max_steps=10")
     assert code == 0, pod.output[-3000:]
     manifests = [k for k in run.keys() if k.endswith(checkpoint.MANIFEST)]
@@ -226,22 +280,32 @@ def test_a_signed_run_skips_a_forged_checkpoint_and_never_shows_its_key(run):
     for key in manifests:
         manifest = run.json(key)
         assert manifest["hmac"] == checkpoint.manifest_hmac(manifest, KEY.encode()), key
+        assert f"checkpoints/{manifest['folder']}/manifest.json" == key and manifest["run"] == run.output_uri, key
+    monkeypatch.setenv("CHECKPOINT_HMAC_KEY", KEY)
+    monkeypatch.setenv("S3_OUTPUT_URI", run.output_uri)
+    assert checkpoint.complete_problem(run.read("COMPLETE")) is None, "COMPLETE signed for this run"
 
-    # Someone with write access to the bucket plants a newer checkpoint: whole, but unsigned.
+    # Someone with write access to the bucket plants a newer checkpoint: whole, but unsigned; copies
+    # the signed one under a newer step's name; and puts an unsigned COMPLETE in place of the real one.
     forged = dict(run.json(f"checkpoints/{NEW}/manifest.json"))
     del forged["hmac"]
-    for file in forged["files"]:
-        run.s3.copy_object(Bucket=BUCKET, Key=f"{run.prefix}checkpoints/step-00000020/{file}",
-                           CopySource={"Bucket": BUCKET, "Key": f"{run.prefix}checkpoints/{NEW}/{file}"})
-    run.s3.put_object(Bucket=BUCKET, Key=f"{run.prefix}checkpoints/step-00000020/manifest.json",
-                      Body=json.dumps(forged).encode())
-    run.s3.delete_object(Bucket=BUCKET, Key=f"{run.prefix}COMPLETE")
+    for step, manifest in (("step-00000020", forged), ("step-99999999", run.json(f"checkpoints/{NEW}/manifest.json"))):
+        for file in forged["files"]:
+            run.s3.copy_object(Bucket=BUCKET, Key=f"{run.prefix}checkpoints/{step}/{file}",
+                               CopySource={"Bucket": BUCKET, "Key": f"{run.prefix}checkpoints/{NEW}/{file}"})
+        run.s3.put_object(Bucket=BUCKET, Key=f"{run.prefix}checkpoints/{step}/manifest.json",
+                          Body=json.dumps(manifest).encode())
+    run.s3.put_object(Bucket=BUCKET, Key=f"{run.prefix}COMPLETE", Body=b'{"steps": 15}')
     code, second = run.run(CHECKPOINT_HMAC_KEY=KEY, TRAIN_ARGS="--set train.max_steps=15")
     assert code == 0, second.output[-3000:]
+    assert f"warning: {run.output_uri}COMPLETE does not end this run: it is not signed" in second.output, second.output[-3000:]
+    assert ("warning: step-99999999 in S3 is damaged (its manifest was signed for folder 'step-00000010', "
+            "not 'step-99999999'" in second.output), second.output[-3000:]
     assert ("warning: step-00000020 in S3 is damaged (its manifest is not signed (CHECKPOINT_HMAC_KEY is set))"
             in second.output), second.output[-3000:]
     assert f"resumed from {NEW}" in second.output
     assert trained_steps(second)[0] == 11
+    assert checkpoint.complete_problem(run.read("COMPLETE")) is None and run.json("COMPLETE")["steps"] == 15
 
     uploaded = b"".join(run.read(key) for key in run.keys())
     for output in (pod.output, second.output):

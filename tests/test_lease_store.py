@@ -335,3 +335,84 @@ def test_a_damaged_lease_expires_and_is_taken_over_like_any_other(s3, s3_endpoin
     result = acquire(tmp_path, s3_endpoint, f"s3://{BUCKET}/runs/damaged/", LEASE_TTL_SECONDS="3")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "took over the lease of ?" in result.stdout and "Traceback" not in result.stderr
+
+
+def test_two_date_headers_from_a_proxy_still_judge_the_lease_on_s3s_clock(s3, s3_endpoint, tmp_path):
+    # Seen before: the two Date values, joined by the HTTP client, parsed to a naive time; subtracting
+    # the aware LastModified raised TypeError and acquire exited 64, which fails the Job for good.
+    s3.put_object(Bucket=BUCKET, Key="runs/dates/expired/lease.json",
+                  Body=json.dumps({"holder": "dead-pod/1", "ttl_seconds": 3}).encode())
+    s3.put_object(Bucket=BUCKET, Key="runs/dates/live/lease.json",
+                  Body=json.dumps({"holder": "live-pod/1", "ttl_seconds": 120}).encode())
+    time.sleep(4)
+    with FaultProxy(upstream=s3_endpoint, duplicate_date=True) as proxy:
+        expired = acquire(tmp_path, proxy.url, f"s3://{BUCKET}/runs/dates/expired/", LEASE_TTL_SECONDS="3")
+        live = acquire(tmp_path, proxy.url, f"s3://{BUCKET}/runs/dates/live/", LEASE_TTL_SECONDS="3",
+                       LEASE_WAIT_SECONDS="0")
+        assert proxy.stats()["dates_duplicated"] > 0
+    assert expired.returncode == 0 and "took over the lease of dead-pod/1" in expired.stdout, expired.stdout + expired.stderr
+    assert live.returncode == 75 and "another pod (live-pod/1) holds the lease" in live.stdout, live.stdout + live.stderr
+    assert "Traceback" not in expired.stderr + live.stderr
+
+
+@pytest.mark.parametrize("date,expected", [
+    ("Tue, 25 Nov 2025 10:00:00 GMT", "2025-11-25 10:00:00+00:00"),
+    ("Tue, 25 Nov 2025 10:00:00 GMT, Tue, 25 Nov 2025 10:00:01 GMT", "2025-11-25 10:00:00+00:00"),  # the first
+    ("Tue, 25 Nov 2025 10:00:00 -0000", None),  # naive for parsedate_to_datetime: not S3's format
+    ("Tue, 25 Nov 2025 10:00:00", None),
+    ("Tue, 99 Foo 2025 10:00:00 GMT", None),
+    ("garbage", None), ("", None), (None, None),
+])
+def test_the_servers_clock_is_one_aware_time_or_none(date, expected):
+    found = leaselib.server_time(date)
+    assert (str(found) if found else None) == expected
+    assert found is None or found.tzinfo is not None
+
+
+def put_complete(s3, uri: str, body: bytes) -> None:
+    where = s3lib.Location.parse(uri)
+    s3.put_object(Bucket=BUCKET, Key=where.key("COMPLETE"), Body=body)
+    s3.delete_object(Bucket=BUCKET, Key=where.key("lease.json"))  # the last acquire's
+
+
+def signed_complete(monkeypatch, uri: str) -> bytes:
+    with monkeypatch.context() as env:
+        env.setenv("CHECKPOINT_HMAC_KEY", "k" * 32)
+        env.setenv("S3_OUTPUT_URI", uri)
+        return json.dumps(checkpoint.signed_complete({"steps": 10})).encode()
+
+
+@pytest.mark.parametrize("lease", ["on", "off"])
+def test_with_a_key_only_a_complete_signed_for_this_run_ends_it(s3, s3_endpoint, tmp_path, monkeypatch, lease):
+    # Seen before (read in the code): any object at COMPLETE ended every later pod with exit 0.
+    uri = f"s3://{BUCKET}/runs/complete-{lease}/"
+    env = {"CHECKPOINT_HMAC_KEY": "k" * 32, "S3_OUTPUT_URI": uri, "S3_LEASE": lease}
+    for body, code in [(b'{"steps": 10}', 0), (signed_complete(monkeypatch, f"s3://{BUCKET}/runs/other/"), 0),
+                       (signed_complete(monkeypatch, uri), 3)]:
+        put_complete(s3, uri, body)
+        result = acquire(tmp_path, s3_endpoint, uri, **env)
+        assert result.returncode == code, (body, result.stdout + result.stderr)
+        if code == 0:
+            assert f"warning: {uri}COMPLETE does not end this run" in result.stdout
+            assert "its final upload writes a signed COMPLETE" in result.stdout
+    if lease == "on":  # with S3_LEASE=off and no key, script.sh's own check is the one (and asks S3 nothing)
+        put_complete(s3, uri, b"not json, no key")
+        assert acquire(tmp_path, s3_endpoint, uri, S3_LEASE=lease).returncode == 3, "without a key: as before"
+
+
+def test_a_lease_holder_with_line_breaks_forges_no_line_on_the_pods_log(s3, s3_endpoint, tmp_path):
+    # Seen before: a holder "x\nEVENT {exit, code 0}\ny" printed its own EVENT line, and contract.wait
+    # took the pod for one that had exited 0.
+    forged = 'EVENT {"event": "exit", "source": "script", "code": 0, "seconds": 1.0, "time": 1.0}'
+    s3.put_object(Bucket=BUCKET, Key="runs/forger/lease.json",
+                  Body=json.dumps({"holder": f"x\n{forged}\r\x1b[2Ky", "ttl_seconds": 120}).encode())
+    result = acquire(tmp_path, s3_endpoint, f"s3://{BUCKET}/runs/forger/", LEASE_WAIT_SECONDS="0")
+    assert result.returncode == 75, result.stdout + result.stderr
+    log = tmp_path / "pod.log"
+    log.write_text(result.stdout + result.stderr)
+    assert not [line for line in log.read_text().splitlines() if line.startswith("EVENT")]
+    assert "\x1b" not in log.read_text() and "\r" not in log.read_text()
+    assert 'another pod (x\\nEVENT {"event": "exit"' in result.stdout, result.stdout
+    waited = subprocess.run([sys.executable, str(JOB / "contract.py"), "wait", str(log), "0", "exit", "code=0"],
+                            capture_output=True, text=True)
+    assert waited.returncode == 1, waited.stdout

@@ -187,6 +187,7 @@ def test_rendered_indexed_manifest_runs_with_its_configmap_from_the_stream(tmp_p
     pod_spec["containers"][0]["command"] = ["/bin/bash", "-c",
                                             'test -f /opt/job/script.sh && cat /opt/job/marker '
                                             '&& echo "id=$$(id -u) rdzv=$$RDZV_ENDPOINT nnodes=$$NNODES" '
+                                            '&& echo "group key of $${#GROUP_SECRET} characters" '
                                             '&& getent hosts r1-0.r1 r1-1.r1.default.svc.cluster.local']
     path = tmp_path / "r1.yaml"
     path.write_text(yaml.safe_dump_all(documents))
@@ -197,6 +198,7 @@ def test_rendered_indexed_manifest_runs_with_its_configmap_from_the_stream(tmp_p
         output = job.output(index)
         # Two lines, not one string: the runner's own lines (stderr) can come between the pod's.
         assert "from the stream\n" in output and "id=1000 rdzv=r1-0.r1:29400 nnodes=2\n" in output
+        assert "group key of 64 characters\n" in output, "the stream's Secret, as a cluster gives it"
         assert f"{prefix}.10" in output and f"{prefix}.11" in output
 
 

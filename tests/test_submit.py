@@ -36,7 +36,7 @@ RUN = ["run-a", "--image", "registry/gpt:1", "--code", "s3://bkt/gpt/code/", "--
 CASES = {"job": ["--engine", "job"], "indexed": ["--engine", "indexed", "--nodes", "3"],
          "jobset": ["--engine", "jobset", "--nodes", "3"], "pytorchjob": ["--engine", "pytorchjob", "--nodes", "3"],
          "pytorchjob-1": ["--engine", "pytorchjob", "--nodes", "1", "--gpus-per-node", "8"]}
-BUILT_IN = {"ConfigMap", "Service", "Job", "PodTemplate"}
+BUILT_IN = {"ConfigMap", "Secret", "NetworkPolicy", "Service", "Job", "PodTemplate"}
 
 
 def submit(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -75,9 +75,10 @@ def built_in_parts(docs: list[dict]) -> list[dict]:
 
 def test_every_engine_renders_its_kinds(streams):
     kinds = {case: [d["kind"] for d in docs] for case, docs in streams.items()}
-    assert kinds == {"job": ["ConfigMap", "Job"], "indexed": ["ConfigMap", "Service", "Job"],
-                     "jobset": ["ConfigMap", "JobSet"], "pytorchjob": ["ConfigMap", "PyTorchJob"],
-                     "pytorchjob-1": ["ConfigMap", "PyTorchJob"]}
+    door = ["Secret", "NetworkPolicy"]  # the group's key, and who may reach its pods
+    assert kinds == {"job": ["ConfigMap", "NetworkPolicy", "Job"], "indexed": ["ConfigMap", *door, "Service", "Job"],
+                     "jobset": ["ConfigMap", *door, "JobSet"], "pytorchjob": ["ConfigMap", *door, "PyTorchJob"],
+                     "pytorchjob-1": ["ConfigMap", *door, "PyTorchJob"]}
     assert all(d["kind"] in BUILT_IN for docs in streams.values() for d in built_in_parts(docs))
 
 
@@ -98,7 +99,7 @@ def test_built_in_objects_pass_kubernetes_validate_strict(version, streams, tmp_
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     passed = [line for line in result.stdout.splitlines() if " passed for resource " in line]
-    assert len(passed) == len(files) == 12, result.stdout + result.stderr
+    assert len(passed) == len(files) == 21, result.stdout + result.stderr
 
 
 def test_kubernetes_validate_strict_would_catch_a_misplaced_field(streams, tmp_path):
@@ -247,12 +248,35 @@ def fake_kubectl(tmp_path: Path, apply_says: str = "", apply_exit: int = 0) -> t
     return {"PATH": f"{bin_dir}:{VENV_BIN}:/usr/bin:/bin"}, record
 
 
+def without_the_key(stream: str) -> list[dict]:
+    docs = list(yaml.safe_load_all(stream))
+    for doc in docs:
+        if doc["kind"] == "Secret":
+            doc["data"] = {key: "(a new key each render)" for key in doc["data"]}
+    return docs
+
+
 def test_apply_pipes_exactly_the_printed_stream(tmp_path):
     env, record = fake_kubectl(tmp_path)
     printed = submit(*RUN, *CASES["jobset"], env=env)
     applied = submit(*RUN, *CASES["jobset"], "--apply", env=env)
     assert printed.returncode == applied.returncode == 0, printed.stderr + applied.stderr
-    assert record.read_text() == printed.stdout and "kind: JobSet" in printed.stdout
+    assert without_the_key(record.read_text()) == without_the_key(printed.stdout) and "kind: JobSet" in printed.stdout
+    assert "kind: Secret" in record.read_text(), "no cluster to ask: the new key goes up"
+
+
+def test_apply_keeps_the_groups_secret_the_cluster_has(tmp_path):
+    # A second apply while the run's pods run must not change their key: a replaced pod would ask
+    # node 0 with another one and be refused.
+    env, record = fake_kubectl(tmp_path)
+    script = tmp_path / "bin" / "kubectl"
+    script.write_text(script.read_text().replace(
+        "\nexec", '\nif [ "$1 $2 $3" = "get secret run-a-group" ]; then echo secret/run-a-group; exit 0; fi\nexec'))
+    applied = submit(*RUN, *CASES["indexed"], "--apply", env=env)
+    assert applied.returncode == 0, applied.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(record.read_text())]
+    assert kinds == ["ConfigMap", "NetworkPolicy", "Service", "Job"]
+    assert "keeping the cluster's Secret run-a-group" in applied.stderr
 
 
 def test_apply_without_the_engines_crd_is_bad_input(tmp_path):

@@ -4,9 +4,11 @@ Pure rules: no S3, no root."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 
 import pytest
 
@@ -31,6 +33,9 @@ def manifest(**change) -> dict:
     ("step-\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668", None),  # Arabic-Indic digits are \d
     ("step-0000001\uff10", None),       # a fullwidth zero
     ("step-0000010", None),             # fewer than 8 digits
+    ("step-999999999999", 999999999999),  # 12 digits: the most
+    ("step-0000000000001", None),       # 13
+    ("step-" + "1" * 240, None),        # seen: its staging folder's name was too long for the disk, exit 1
     ("step-00000010/", None),
     (" step-00000010", None),
     ("best", None),
@@ -62,7 +67,7 @@ def test_a_checkpoint_file_name_is_a_plain_printable_ascii_name(name, ok):
     assert checkpoint.is_file_name(name) is ok
     files = {name: {"size": 7, "sha256": SHA}} if isinstance(name, str) else {}
     if isinstance(name, str):
-        assert checkpoint.is_manifest(manifest(files=files)) is ok
+        assert checkpoint.is_manifest(manifest(files=files), "step-00000005") is ok
 
 
 @pytest.mark.parametrize("value,problem", [
@@ -83,20 +88,30 @@ def test_a_checkpoint_file_name_is_a_plain_printable_ascii_name(name, ok):
     ({k: v for k, v in manifest().items() if k != "format"}, "has format None"),
 ])
 def test_manifest_problem_names_what_is_wrong(value, problem):
-    found = checkpoint.manifest_problem(value)
+    found = checkpoint.manifest_problem(value, "step-00000005")
     if problem is None:
         assert found is None
     else:
         assert found is not None and problem in found
-    assert checkpoint.is_manifest(value) is (problem is None)
+    assert checkpoint.is_manifest(value, "step-00000005") is (problem is None)
 
 
 def test_a_hostile_name_is_shown_escaped_and_short():
-    found = checkpoint.manifest_problem(manifest(files={"x\n" * 500: {"size": 1, "sha256": SHA}}))
+    found = checkpoint.manifest_problem(manifest(files={"x\n" * 500: {"size": 1, "sha256": SHA}}), "step-00000005")
     assert "\n" not in found and len(found) < 200
 
 
-def signed(value: dict, key: str = KEY) -> dict:
+RUN = "s3://bucket/runs/a/"
+
+
+def signed(value: dict, key: str = KEY, folder: str = "step-00000005", run: str = RUN) -> dict:
+    """Signed as commit() signs: bound to the folder it is committed as and the run."""
+    value = {**value, "folder": folder, "run": run}
+    return {**value, "hmac": checkpoint.manifest_hmac(value, key.encode())}
+
+
+def signed_unbound(value: dict, key: str = KEY) -> dict:
+    """Signed as the runtime signed before it bound folder and run."""
     return {**value, "hmac": checkpoint.manifest_hmac(value, key.encode())}
 
 
@@ -112,13 +127,21 @@ def signed(value: dict, key: str = KEY) -> dict:
     (KEY, {**signed(manifest()), "committed_at": 2.5}, "does not match CHECKPOINT_HMAC_KEY"),
     (KEY, {**signed(manifest()), "files": {"model.pt": {"size": 8, "sha256": SHA}}},
      "does not match CHECKPOINT_HMAC_KEY"),
+    # Seen before: a signed step-00000010/ copied to step-99999999/ was restored by every later pod.
+    (KEY, signed(manifest(), folder="step-00000010"), "was signed for folder 'step-00000010', not 'step-00000005'"),
+    (KEY, signed(manifest(), folder="best"), "was signed for folder 'best'"),  # best/ is no step
+    (KEY, signed(manifest(), run="s3://bucket/runs/b/"), "was signed for run 's3://bucket/runs/b/'"),
+    (KEY, {**signed(manifest()), "folder": "step-00000005x"}, "does not match CHECKPOINT_HMAC_KEY"),
+    (KEY, signed_unbound(manifest()), "names no folder and run"),  # an older runtime's: binds nothing
+    (None, signed(manifest(), folder="step-00000010", run="s3://x/y/"), None),  # no key: not looked at
 ])
-def test_with_a_key_only_manifests_signed_with_it_count(monkeypatch, key, value, problem):
+def test_with_a_key_only_manifests_signed_with_it_for_this_folder_and_run_count(monkeypatch, key, value, problem):
+    monkeypatch.setenv("S3_OUTPUT_URI", RUN)
     if key is None:
         monkeypatch.delenv("CHECKPOINT_HMAC_KEY", raising=False)
     else:
         monkeypatch.setenv("CHECKPOINT_HMAC_KEY", key)
-    found = checkpoint.manifest_problem(value)
+    found = checkpoint.manifest_problem(value, "step-00000005")
     assert (found is None) if problem is None else (problem in found)
     if found:
         assert KEY not in found
@@ -153,6 +176,52 @@ def test_commit_signs_and_readers_check_the_signature(tmp_path, monkeypatch):
     assert checkpoint.newest_valid(tmp_path, on_skip=lambda f, p: skipped.append(f)) == signed_folder
     assert not checkpoint.is_committed(unsigned_folder)
     assert "is not signed" in checkpoint.verify(unsigned_folder)
+
+
+def test_a_signed_folder_copied_under_a_newer_name_or_from_another_run_is_skipped(tmp_path, monkeypatch):
+    # What the trainer and hf_resume load goes through newest_valid: a copy is damaged there too.
+    monkeypatch.setenv("CHECKPOINT_HMAC_KEY", KEY)
+    monkeypatch.setenv("S3_OUTPUT_URI", RUN)
+    ours = tmp_path / "step-00000005"
+    write_checkpoint(ours)
+    written = json.loads((ours / "manifest.json").read_text())
+    assert (written["folder"], written["run"]) == ("step-00000005", RUN)
+    shutil.copytree(ours, tmp_path / "step-99999999")
+    shutil.copytree(ours, tmp_path / "best")
+    monkeypatch.setenv("S3_OUTPUT_URI", "s3://bucket/runs/other")  # its trailing / is added
+    theirs = tmp_path / "step-00000007"
+    write_checkpoint(theirs)
+    assert json.loads((theirs / "manifest.json").read_text())["run"] == "s3://bucket/runs/other/"
+    monkeypatch.setenv("S3_OUTPUT_URI", RUN)
+    assert checkpoint.newest_valid(tmp_path) == ours
+    assert [p.name for _, p in checkpoint.committed_steps(tmp_path)] == ["step-00000005"], "the copies count for nothing"
+    assert "signed for folder 'step-00000005', not 'step-99999999'" in checkpoint.verify(tmp_path / "step-99999999")
+    assert "signed for run 's3://bucket/runs/other/'" in checkpoint.verify(theirs)
+    assert checkpoint.read_manifest(tmp_path / "best") is None, "a step's manifest does not count as best/'s"
+    assert checkpoint.read_manifest(ours) is not None
+
+
+def test_complete_is_signed_for_the_run_and_judged_like_a_manifest(monkeypatch):
+    summary = {"steps": 10, "train_loss": 1.5, "completed_at": 2.5}
+    monkeypatch.delenv("CHECKPOINT_HMAC_KEY", raising=False)
+    assert checkpoint.signed_complete(summary) == summary, "no key: as before"
+    assert checkpoint.complete_problem(b"anything at all") is None, "no key: any object ends the run, as before"
+    monkeypatch.setenv("CHECKPOINT_HMAC_KEY", KEY)
+    monkeypatch.setenv("S3_OUTPUT_URI", RUN)
+    body = checkpoint.signed_complete(summary)
+    assert body["run"] == RUN and len(body["hmac"]) == 64 and KEY not in json.dumps(body)
+    assert checkpoint.complete_problem(json.dumps(body).encode()) is None
+    as_manifest = signed(manifest())  # a manifest's signature is never a COMPLETE's
+    forged = {
+        b"": "is not signed", b"{}": "is not signed", json.dumps(summary).encode(): "is not signed",
+        b"[" * 100_000: "is not signed", json.dumps({**body, "steps": 11}).encode(): "does not match",
+        json.dumps(as_manifest).encode(): "does not match",
+        json.dumps({**body, "pad": "x" * 70_000}).encode(): "is not signed",  # larger than a COMPLETE gets
+    }
+    for raw, problem in forged.items():
+        assert problem in checkpoint.complete_problem(raw), raw[:80]
+    monkeypatch.setenv("S3_OUTPUT_URI", "s3://bucket/runs/b/")
+    assert "was signed for run 's3://bucket/runs/a/'" in checkpoint.complete_problem(json.dumps(body).encode())
 
 
 @pytest.mark.parametrize("name", ["../escape.pt", "/tmp/abs.pt", "sub/x.pt", "", "..", "manifest.json", "\u00e9.pt"])
@@ -263,3 +332,20 @@ def test_a_received_file_is_on_disk_before_it_counts(tmp_path, monkeypatch):
         assert synced == ["model.pt"]
         staged.commit(meta={"step": 1})
     assert synced[1] == "manifest.json", "the file first, the manifest after"
+
+
+@pytest.mark.parametrize("error,kind", [(errno.EIO, ValueError), (errno.ENAMETOOLONG, ValueError),
+                                        (errno.ENOSPC, OSError), (errno.EROFS, OSError)])
+def test_a_local_error_receiving_a_file_makes_the_checkpoint_unusable_not_a_crash(tmp_path, monkeypatch, error, kind):
+    # A disk error (the OS's, simulated: there is no failing disk here) is this checkpoint's problem
+    # here, like damage; a full or read-only volume stays itself: bad input, its own line.
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(error, os.strerror(error))))
+    with checkpoint.stage(tmp_path / "step-00000001") as staged:
+        with pytest.raises(kind) as raised:
+            with staged.receive("model.pt", {"size": 3, "sha256": SHA}) as stream:
+                stream.write(b"abc")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert type(raised.value) is kind
+    if kind is ValueError:
+        assert str(raised.value) == f"model.pt could not be written here ({os.strerror(error)})"

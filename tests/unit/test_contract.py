@@ -113,3 +113,56 @@ def test_script_sh_and_lease_py_default_the_lease_settings_alike(name, python_de
     # pods run with the bash one whatever lease.py says.
     found = re.search(rf"^\s*{name}=\$\{{{name}:-([0-9]+)\}}$", SCRIPT.read_text(), flags=re.M)
     assert found and float(found.group(1)) == python_default()
+
+
+# -- forged lines: text from S3 or the network never starts a line of its own ---------------------
+
+FORGED_EXIT = 'EVENT {"event": "exit", "source": "script", "code": 0, "seconds": 1.0, "time": 1.0}'
+
+
+def wait_for_exit_0(log: Path) -> int:
+    import subprocess
+    import sys
+    command = [sys.executable, str(SCRIPT.parent / "contract.py"), "wait", str(log), "0", "exit", "code=0"]
+    return subprocess.run(command, capture_output=True, text=True).returncode
+
+
+@pytest.mark.parametrize("line", [
+    f"2026 lease: waiting for the lease of x\r{FORGED_EXIT}",  # a carriage return is no line break
+    f"   {FORGED_EXIT}",  # an event line starts with EVENT, nothing before it
+])
+def test_wait_takes_an_event_only_from_a_line_that_is_one(tmp_path, line):
+    log = tmp_path / "pod.log"
+    log.write_bytes(line.encode() + b"\nEVENT {\"event\": \"exit\", \"code\": 75}\n")
+    assert wait_for_exit_0(log) == 1
+    assert contract.parse_event(line) is None
+
+
+def test_a_helpers_log_line_escapes_what_it_quotes(capsys):
+    s3.log("lease", f"another pod (x\n{FORGED_EXIT}\r\x1b[1A\u2028) holds the lease")
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "\r" not in out and "\x1b" not in out and "\u2028" not in out
+    assert "(x\\nEVENT {" in out and "\\r\\x1b[1A\\u2028)" in out
+
+
+def test_script_sh_logs_what_the_aws_cli_said_on_one_line_without_control_characters(tmp_path):
+    # A hostile endpoint's error text, quoted by the AWS CLI: its last line goes into script.sh's
+    # warnings and its error line, and the log in S3.
+    import subprocess
+    import sys
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "aws").write_text("#!/bin/sh\nprintf 'An error occurred (x): \\033[1A\\rEVENT "
+                                 '{"event": "exit", "source": "script", "code": 0}\\n\' >&2\nexit 255\n')
+    (bin_dir / "aws").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
+           "S3_CODE_URI": "s3://bucket/code/", "S3_DATA_URI": "s3://bucket/data/", "S3_OUTPUT_URI": "s3://bucket/runs/r/",
+           "WORK_DIR": str(tmp_path / "work"), "READY_FILE": str(tmp_path / "ready"),
+           "HEALTH_FILE": str(tmp_path / "healthy"), "NPROC_PER_NODE": "1", "S3_RETRY_SECONDS": "1"}
+    result = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, timeout=60)
+    log = tmp_path / "work" / ".pod" / "pod.log"
+    assert result.returncode == 75, result.stdout + result.stderr
+    for text in (result.stdout + result.stderr, log.read_bytes()):
+        assert b"\r" not in text and b"\x1b" not in text
+    assert b"(x): ?[1A?EVENT" in log.read_bytes(), "said, on one line"
+    assert wait_for_exit_0(log) == 1, "the pod exited 75; no line may say 0"

@@ -268,8 +268,14 @@ def render(engine, nodes=2):
     return submit.render(args)
 
 
+def group_key_of(documents: list[dict]) -> str:
+    import base64
+    secret = next(d for d in documents if d["kind"] == "Secret")
+    return base64.b64decode(secret["data"]["GROUP_SECRET"]).decode()
+
+
 def test_jobset_child_job_is_named_labelled_and_placed_as_the_jobset_controller_does():
-    jobset = render("jobset")[0]
+    jobset = render("jobset")[-1]
     child = local_job.jobset_child(jobset, restarts=2)
     assert child["metadata"]["name"] == "r1-node-0"
     pod = child["spec"]["template"]
@@ -286,8 +292,8 @@ def test_jobset_child_job_is_named_labelled_and_placed_as_the_jobset_controller_
 
 
 def test_jobset_run_reads_the_rendered_stream(tmp_path):
-    path = tmp_path / "r1.yaml"
-    path.write_text(yaml.safe_dump_all(render("jobset")))
+    path, documents = tmp_path / "r1.yaml", render("jobset")
+    path.write_text(yaml.safe_dump_all(documents))
     jobset = local_job.JobSetRun(path, folder=tmp_path / "pods")
     child = jobset.children[0]
     assert (jobset.name, jobset.size, child.name, child.backoff_limit) == ("r1", 2, "r1-node-0", 0)
@@ -295,6 +301,7 @@ def test_jobset_run_reads_the_rendered_stream(tmp_path):
     pod = local_pod.load_pod(child.manifest, {}, JOB_CONFIGMAP, 1, child.ips[1], child.hosts)
     assert local_pod.pod_hostname(pod) == "r1-node-0-1" and pod.env["JOB_COMPLETION_INDEX"] == "1"
     assert pod.env["RDZV_ENDPOINT"].split(":")[0] == child.hosts[0][0]
+    assert pod.env["GROUP_SECRET"] == group_key_of(documents), "the stream's Secret reaches the child Job's pods"
 
 
 @pytest.mark.parametrize("change, message", [
@@ -304,7 +311,7 @@ def test_jobset_run_reads_the_rendered_stream(tmp_path):
     (lambda js: js["spec"].update(successPolicy={"operator": "Any"}), "successPolicy"),
 ])
 def test_refused_jobsets(tmp_path, change, message):
-    jobset = render("jobset")[0]
+    jobset = render("jobset")[-1]
     change(jobset)
     path = tmp_path / "r1.yaml"
     path.write_text(yaml.safe_dump(jobset))
@@ -360,8 +367,8 @@ def test_operator_env_for_master_and_worker():
 
 
 def test_pytorchjob_run_pods_as_the_operator_makes_them(tmp_path):
-    path = tmp_path / "r1.yaml"
-    path.write_text(yaml.safe_dump_all(render("pytorchjob", nodes=3)))
+    path, documents = tmp_path / "r1.yaml", render("pytorchjob", nodes=3)
+    path.write_text(yaml.safe_dump_all(documents))
     job = local_job.PyTorchJobRun(path, folder=tmp_path / "pods")
     assert job.slots == [("Master", 0), ("Worker", 0), ("Worker", 1)] and job.master_port == 23456
     assert ("r1-master-0", "127.0.0.10") in job.hosts
@@ -371,6 +378,7 @@ def test_pytorchjob_run_pods_as_the_operator_makes_them(tmp_path):
     assert [p.env["RANK"] for p in pods] == ["0", "1", "2"]
     assert {p.env["MASTER_ADDR"] + ":" + p.env["MASTER_PORT"] for p in pods} == {"r1-master-0:23456"}
     assert {p.env["WORLD_SIZE"] for p in pods} == {"3"} and {p.env["PET_NNODES"] for p in pods} == {"3"}
+    assert {p.env["GROUP_SECRET"] for p in pods} == {group_key_of(documents)}
     assert all("JOB_COMPLETION_INDEX" not in p.env and "RDZV_ENDPOINT" not in p.env for p in pods)
     assert "127.0.0.10\tr1-master-0\tr1-master-0.default.svc.cluster.local" in local_pod.hosts_file(pods[2])
     assert job.clean_pod_policy == "Running" and job.grace == 300
@@ -386,7 +394,7 @@ def test_pytorchjob_run_pods_as_the_operator_makes_them(tmp_path):
     (lambda spec: spec["pytorchReplicaSpecs"].update(Chief={}), "Master and/or Worker"),
 ])
 def test_refused_pytorchjobs(tmp_path, change, message):
-    job = render("pytorchjob")[0]
+    job = render("pytorchjob")[-1]
     change(job["spec"])
     path = tmp_path / "r1.yaml"
     path.write_text(yaml.safe_dump(job))

@@ -1,5 +1,6 @@
 """Credentials in URLs never reach the pod's output or its log: job/redact.sed hides every URL's
-userinfo (scheme://user:pass@ -> scheme://***@), in script.sh's log pipeline (stdout, stderr and
+userinfo (scheme://user:pass@ -> scheme://***@) and the values of query parameters with secret-looking
+names (?private_token=... -> ?private_token=***), in script.sh's log pipeline (stdout, stderr and
 the log file the uploader puts in S3) and in python_env.sh's own messages.
 
 No root, no S3 server: sed on a table; script.sh and python_env.sh as plain processes."""
@@ -30,9 +31,21 @@ CASES = [
     ("'https://u:p@ss@h/x' and s3+https://k:TOKEN@h2", "'https://***@h/x' and s3+https://***@h2"),
     ("Looking in indexes: https://pypi.org/simple, https://user:****@host/simple",
      "Looking in indexes: https://pypi.org/simple, https://***@host/simple"),
-    # Nothing else changes: no userinfo, an @ in a path, an e-mail address, a bare host:port.
+    # Seen: GitLab's package index takes its token in the query; pip prints the URL as it is.
+    ("Looking in indexes: https://gitlab.example.com/api/v4/projects/7/packages/pypi/simple?private_token=TOKEN",
+     "Looking in indexes: https://gitlab.example.com/api/v4/projects/7/packages/pypi/simple?private_token=***"),
+    ("https://b.s3.amazonaws.com/k?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIA%2F1&X-Amz-Security-Token=TOKEN"
+     "&X-Amz-Signature=TOKEN&x-id=GetObject",
+     "https://b.s3.amazonaws.com/k?X-Amz-Algorithm=***&X-Amz-Credential=***&X-Amz-Security-Token=***"
+     "&X-Amz-Signature=***&x-id=GetObject"),
+    ("http://h/p?user=bob&api_key=TOKEN;Password=TOKEN&sig=TOKEN#top 'https://h/?AccessToken=TOKEN' done",
+     "http://h/p?user=bob&api_key=***;Password=***&sig=***#top 'https://h/?AccessToken=***' done"),
+    ("https://u:TOKEN@h/simple?client_secret=TOKEN&page=2", "https://***@h/simple?client_secret=***&page=2"),
+    # Nothing else changes: no userinfo, an @ in a path, an e-mail address, a bare host:port, a query
+    # without secret-looking names, prose with a question mark.
     ("s3://bucket/prefix/a@b.txt http://host:9000/x", "s3://bucket/prefix/a@b.txt http://host:9000/x"),
     ("mail admin@example.com, step 10/20 | loss 1.23", "mail admin@example.com, step 10/20 | loss 1.23"),
+    ("https://h/simple?page=2&per_page=50 why? key=value a&b=c", "https://h/simple?page=2&per_page=50 why? key=value a&b=c"),
 ]
 
 
@@ -85,4 +98,17 @@ def test_python_env_messages_show_no_url_credentials(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 64, output
     assert "https://***@pypi.example.com/simple" in output, "the option is still named"
+    assert TOKEN not in output
+
+
+def test_python_env_messages_show_no_token_in_an_index_urls_query(tmp_path):
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text(f"--extra-index-url https://gitlab.example.com/simple?private_token={TOKEN}\n"
+                            "no-such-package-here==1.0\n")
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PIP_NO_INDEX": "1", "HOME": str(tmp_path)}
+    result = subprocess.run(["bash", str(ROOT / "job" / "python_env.sh"), str(tmp_path / "work"), str(tmp_path / "python"),
+                             str(requirements)], env=env, capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 64, output
+    assert "https://gitlab.example.com/simple?private_token=***" in output, "the option is still named"
     assert TOKEN not in output

@@ -99,11 +99,17 @@ def test_a_manifest_read_from_s3_is_judged_in_one_place(body, judged, problem):
 
 def test_with_a_key_an_unsigned_manifest_does_not_count(monkeypatch):
     monkeypatch.setenv(checkpoint.HMAC_KEY_ENV, "k")
+    monkeypatch.setenv("S3_OUTPUT_URI", "s3://bucket/runs/r/")
     network = Network({MANIFEST_KEY: json.dumps(GOOD).encode()})
     assert "is not signed" in remote_checkpoints.manifest_of(network, CKPTS, step(5), no_retry)[1]
-    signed = {**GOOD, "hmac": checkpoint.manifest_hmac(GOOD, b"k")}
+    bound = {**GOOD, "folder": step(5), "run": "s3://bucket/runs/r/"}
+    signed = {**bound, "hmac": checkpoint.manifest_hmac(bound, b"k")}
     network = Network({MANIFEST_KEY: json.dumps(signed).encode()})
     assert remote_checkpoints.manifest_of(network, CKPTS, step(5), no_retry) == (signed, None)
+    # The same object under a newer step's name: what S3 lists there is judged by that name.
+    network = Network({CKPTS.key(step(99999999), "manifest.json"): json.dumps(signed).encode()})
+    _, problem = remote_checkpoints.manifest_of(network, CKPTS, step(99999999), no_retry)
+    assert "signed for folder 'step-00000005', not 'step-99999999'" in problem
 
 
 def test_committed_lists_step_folders_newest_first():

@@ -20,6 +20,7 @@ from podlab import ROOT
 
 SCRIPT = ROOT / "job" / "script.sh"
 HMAC_KEY = "k3y-that-must-never-show"  # 24 bytes: long enough, so the short one below is its prefix
+GROUP_SECRET = "gr0up-secret-never-shown"
 
 
 @pytest.fixture
@@ -102,6 +103,12 @@ GROUP_BAD = [
     ({"NNODES": "2", "JOB_COMPLETION_INDEX": "1", "RDZV_ENDPOINT": "r-0.r:1;id"}, "RDZV_ENDPOINT=r-0.r:1;id must be"),
     ({"NNODES": "2", "JOB_COMPLETION_INDEX": "0", "RDZV_ENDPOINT": "r-0.r:29400", "RDZV_TIMEOUT_SECONDS": "5"},
      "RDZV_TIMEOUT_SECONDS=5 must be a whole number of seconds, at least 10"),
+    # Node 0's door (job/group.py) takes only requests signed with the group's secret.
+    ({"NNODES": "2", "JOB_COMPLETION_INDEX": "0", "RDZV_ENDPOINT": "r-0.r:29400"},
+     "NNODES=2 but GROUP_SECRET is not set: node 0 would answer any pod on the network; render the group with "
+     "scripts/submit.py"),
+    ({"NNODES": "2", "JOB_COMPLETION_INDEX": "1", "RDZV_ENDPOINT": "r-0.r:29400", "GROUP_SECRET": GROUP_SECRET[:15]},
+     "GROUP_SECRET is set but shorter than 16 bytes (its value is not shown)"),
 ]
 
 
@@ -112,12 +119,17 @@ def test_a_group_setting_that_cannot_work_stops_the_pod_with_one_line(pod, setti
     errors = [line for line in lines if "error: " in line]
     assert len(errors) == 1 and message in errors[0], lines
     assert "; " in errors[0], "the line says how to fix it"
+    assert GROUP_SECRET[:15] not in "\n".join(lines)
 
 
 GOOD = [
     {},  # the defaults
-    {"NNODES": "2", "JOB_COMPLETION_INDEX": "1", "RDZV_ENDPOINT": "r-0.r:29400"},  # an Indexed Job's pod
-    {"NNODES": "3", "RANK": "2", "MASTER_ADDR": "r-master-0", "MASTER_PORT": "23456"},  # a PyTorchJob's
+    {"NNODES": "2", "JOB_COMPLETION_INDEX": "1", "RDZV_ENDPOINT": "r-0.r:29400",
+     "GROUP_SECRET": GROUP_SECRET},  # an Indexed Job's pod
+    {"NNODES": "3", "RANK": "2", "MASTER_ADDR": "r-master-0", "MASTER_PORT": "23456",
+     "GROUP_SECRET": GROUP_SECRET},  # a PyTorchJob's
+    {"NNODES": "2", "JOB_COMPLETION_INDEX": "1", "RDZV_ENDPOINT": "r-0.r:29400",
+     "CHECKPOINT_HMAC_KEY": HMAC_KEY},  # no GROUP_SECRET: the group's key comes from the signing key
     {"NNODES": "1", "RANK": "5"},  # one pod: a RANK in the environment means nothing
     {"LEASE_TTL_SECONDS": "3", "LEASE_WAIT_SECONDS": "0", "HEALTH_MAX_AGE_SECONDS": "10",
      "UPLOAD_RETRY_SECONDS": "1", "AWS_MAX_ATTEMPTS": "1", "AWS_RETRY_MODE": "adaptive", "S3_LEASE": "off"},
@@ -130,7 +142,7 @@ GOOD = [
 def test_good_settings_pass_and_a_key_never_shows(pod, settings):
     code, lines = pod(**settings)
     assert passed_validation(code, lines), lines
-    assert HMAC_KEY not in "\n".join(lines)
+    assert HMAC_KEY not in "\n".join(lines) and GROUP_SECRET not in "\n".join(lines)
 
 
 # -- TRAIN_ARGS: words as a shell splits them, nothing evaluated ---------------------------------

@@ -3,12 +3,14 @@ engine's manifests are job.yaml's pod template with only what the engine needs c
 
 from __future__ import annotations
 
+import base64
 import copy
 import re
 
 import pytest
 import yaml
 
+import local_pod
 import submit
 from podlab import ROOT
 
@@ -88,14 +90,14 @@ def test_printing_is_the_default_and_apply_must_be_asked_for():
 def test_the_default_job_is_job_yaml_itself():
     values = ["gpt-train", "--image", JOB_POD["containers"][0]["image"], "--code", JOB_ENV["S3_CODE_URI"],
               "--data", JOB_ENV["S3_DATA_URI"], "--output", JOB_ENV["S3_OUTPUT_URI"]]
-    assert submit.render(submit.parse_args(values)) == [JOB]
+    assert submit.render(submit.parse_args(values)) == [submit.network_policy("gpt-train"), JOB]
     explicit = submit.parse_args([*values, "--engine", "job", "--nodes", "1", "--gpus-per-node", "4",
                                   "--train-config", JOB_ENV["TRAIN_CONFIG"]])
-    assert submit.render(explicit) == [JOB]
+    assert submit.render(explicit) == [submit.network_policy("gpt-train"), JOB]
 
 
 def test_the_job_differs_from_job_yaml_only_where_the_flags_say():
-    [job] = submit.render(args("--gpus-per-node", "8", "--train-config", "config/big.yaml", "--train-script", "ft.py"))
+    [_, job] = submit.render(args("--gpus-per-node", "8", "--train-config", "config/big.yaml", "--train-script", "ft.py"))
     pod = ".spec.template.spec.containers.trainer"
     assert differences(job, JOB) == {
         ".metadata.name", ".metadata.labels.app.kubernetes.io/name", ".spec.template.metadata.labels.app.kubernetes.io/name",
@@ -121,9 +123,9 @@ def workload(engine: str, nodes: int = 3) -> tuple[list[dict], dict, dict]:
 GROUP_ENV = {"NNODES": "3", "NPROC_PER_NODE": "4"}
 ENGINES = [
     # engine, kinds, RDZV_ENDPOINT, container name, subdomain
-    ("indexed", ["Service", "Job"], "run-a-0.run-a:29400", "trainer", "run-a"),
-    ("jobset", ["JobSet"], "run-a-node-0-0.run-a:29400", "trainer", None),
-    ("pytorchjob", ["PyTorchJob"], None, "pytorch", None),
+    ("indexed", ["Secret", "NetworkPolicy", "Service", "Job"], "run-a-0.run-a:29400", "trainer", "run-a"),
+    ("jobset", ["Secret", "NetworkPolicy", "JobSet"], "run-a-node-0-0.run-a:29400", "trainer", None),
+    ("pytorchjob", ["Secret", "NetworkPolicy", "PyTorchJob"], None, "pytorch", None),
 ]
 
 
@@ -132,7 +134,7 @@ def test_each_engine_changes_only_what_it_needs_in_job_yamls_pod(engine, kinds, 
     docs, template, _ = workload(engine)
     assert [d["kind"] for d in docs] == kinds
     pod = template["spec"]
-    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert {k: env.get(k) for k in (*GROUP_ENV, "RDZV_ENDPOINT")} == {**GROUP_ENV, "RDZV_ENDPOINT": endpoint}
     assert pod["containers"][0]["name"] == container and pod.get("subdomain") == subdomain
     normalized = copy.deepcopy(template)
@@ -141,13 +143,14 @@ def test_each_engine_changes_only_what_it_needs_in_job_yamls_pod(engine, kinds, 
         del normalized["spec"]["containers"][0]["ports"]
     c = ".spec.containers.trainer"
     expected = {".metadata.labels.app.kubernetes.io/name", f"{c}.image", f"{c}.env.S3_CODE_URI.value",
-                f"{c}.env.S3_DATA_URI.value", f"{c}.env.S3_OUTPUT_URI.value", f"{c}.env.NNODES", f"{c}.env.NPROC_PER_NODE"}
+                f"{c}.env.S3_DATA_URI.value", f"{c}.env.S3_OUTPUT_URI.value", f"{c}.env.NNODES", f"{c}.env.NPROC_PER_NODE",
+                f"{c}.env.GROUP_SECRET"}
     expected |= ({f"{c}.env.RDZV_ENDPOINT"} if endpoint else set()) | ({".spec.subdomain"} if subdomain else set())
     assert differences(normalized, JOB["spec"]["template"]) == expected
 
 
 def test_indexed_job_runs_the_group_as_one_job_with_a_headless_service():
-    [service, job], _, spec = workload("indexed")
+    [_, _, service, job], _, spec = workload("indexed")
     assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
     assert spec["backoffLimit"] == JOB["spec"]["backoffLimit"] and spec["podReplacementPolicy"] == "Failed"
     rules = spec["podFailurePolicy"]["rules"]
@@ -161,7 +164,7 @@ def test_indexed_job_runs_the_group_as_one_job_with_a_headless_service():
 
 
 def test_jobset_fails_the_child_job_on_any_failure_and_decides_by_its_message():
-    [jobset], _, child = workload("jobset")
+    [_, _, jobset], _, child = workload("jobset")
     spec = jobset["spec"]
     assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
     assert spec["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
@@ -186,7 +189,7 @@ def test_jobset_fails_the_child_job_on_any_failure_and_decides_by_its_message():
 
 @pytest.mark.parametrize("nodes, workers", [(1, None), (2, 1), (8, 7)])
 def test_pytorchjob_has_one_master_and_the_rest_workers(nodes, workers):
-    [job], template, spec = workload("pytorchjob", nodes)
+    [_, _, job], template, spec = workload("pytorchjob", nodes)
     replicas = spec["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] == 1 and (replicas.get("Worker") or {}).get("replicas") == workers
     assert {r["restartPolicy"] for r in replicas.values()} == {"ExitCode"}
@@ -221,3 +224,53 @@ def test_an_unreadable_job_yaml_is_bad_input(tmp_path):
     (tmp_path / "job.yaml").write_text("kind: Job\nspec: [not, a, job]\n")
     with pytest.raises(submit.BadInput, match="is not a readable Job manifest .* restore it from git"):
         submit.load_job(tmp_path / "job.yaml")
+
+
+# -- the group's door: a Secret per run, a NetworkPolicy, literal env values ---------------------------
+
+@pytest.mark.parametrize("engine", ["indexed", "jobset", "pytorchjob"])
+def test_every_pod_of_a_group_takes_its_key_from_the_runs_own_secret(engine):
+    docs, template, _ = workload(engine, 2)
+    [secret] = [d for d in docs if d["kind"] == "Secret"]
+    assert secret["metadata"]["name"] == "run-a-group" and secret["type"] == "Opaque"
+    key = base64.b64decode(secret["data"]["GROUP_SECRET"])
+    assert len(key) >= 32 and re.fullmatch(rb"[0-9a-f]+", key)
+    env = template["spec"]["containers"][0]["env"]
+    assert {"name": "GROUP_SECRET", "valueFrom": {"secretKeyRef": {"name": "run-a-group", "key": "GROUP_SECRET"}}} in env
+    again = [d for d in workload(engine, 2)[0] if d["kind"] == "Secret"][0]
+    assert again["data"] != secret["data"], "a new key each render, never a fixed one"
+
+
+def test_one_pod_needs_no_group_secret():
+    docs = submit.render(args())
+    assert [d["kind"] for d in docs] == ["NetworkPolicy", "Job"]
+    assert "GROUP_SECRET" not in yaml.safe_dump_all(docs)
+
+
+@pytest.mark.parametrize("engine", ["job", "indexed", "jobset", "pytorchjob"])
+def test_the_network_policy_admits_the_runs_pods_only_the_runs_pods(engine):
+    docs, template, _ = workload(engine, 1 if engine == "job" else 2)
+    [policy] = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    labels = template["metadata"]["labels"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector == {"app.kubernetes.io/name": "run-a"} and selector.items() <= labels.items(), "it covers the pods"
+    assert policy["spec"]["policyTypes"] == ["Ingress"], "egress (S3, the package index) is left alone"
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": selector}}]}], \
+        "every port (answer server, rendezvous store, collectives) from the run's pods, nothing from elsewhere"
+    assert docs.index(policy) < len(docs) - 1, "before the workload: no pod is ever open"
+
+
+def test_a_dollar_in_a_flags_value_reaches_the_pod_literally():
+    # Kubernetes expands $(VAR) in env values: unescaped, this output URI would carry the secret key,
+    # which the pod then prints in its first line.
+    output = "s3://bkt/gpt/runs/$(AWS_SECRET_ACCESS_KEY)/"
+    rendered = yaml.safe_load_all(submit.to_yaml(submit.render(submit.parse_args(
+        [*GOOD[:-2], "--output", output, "--train-config", "config/$x.yaml", "--engine", "indexed", "--nodes", "2"]))))
+    [job] = [d for d in rendered if d["kind"] == "Job"]
+    env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["S3_OUTPUT_URI"] == "s3://bkt/gpt/runs/$$(AWS_SECRET_ACCESS_KEY)/"
+    assert env["TRAIN_CONFIG"] == "config/$$x.yaml"
+    defined = {"AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI", "x": "y"}  # what envFrom: aws-credentials defines first
+    assert local_pod.expand(env["S3_OUTPUT_URI"], defined) == output
+    assert local_pod.expand(env["TRAIN_CONFIG"], defined) == "config/$x.yaml"
+    assert env["NNODES"] == "2" and env["S3_CODE_URI"] == "s3://bkt/gpt/code/", "values without '$' unchanged"
