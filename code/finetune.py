@@ -346,10 +346,6 @@ def check_resumable(folder: str | None, settings: Settings) -> None:
     if method and method != settings.model.method:
         raise ConfigError(f"checkpoint {Path(folder).name} was trained with model.method={method} but the config "
                           f"says {settings.model.method}; use the config it was trained with, or a new S3_OUTPUT_URI")
-    step = meta.get("step")
-    if isinstance(step, int) and step > settings.train.max_steps:
-        raise ConfigError(f"checkpoint {Path(folder).name} is past train.max_steps ({settings.train.max_steps}); "
-                          f"raise train.max_steps, or use a new S3_OUTPUT_URI")
 
 
 def run(settings: Settings, args: argparse.Namespace, world_size: int, texts: tuple) -> int:

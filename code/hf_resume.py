@@ -7,7 +7,7 @@ The change to an existing Trainer script (after `trainer = Trainer(...)`):
     trainer.train(resume_from_checkpoint=resume.checkpoint())   # newest committed one, or None
     sys.exit(resume.exit_code())                                # 143 after SIGTERM, 130 after SIGINT
 
-What it does, with transformers' own callback API only:
+What it does, with transformers' own callback API (and trainer.train wrapped for one case):
 
 - After each save the Trainer's `checkpoint-N/` becomes `OUTPUT_DIR/checkpoints/step-N/`, committed
   with checkpoint.py's protocol (files fsynced, `manifest.json` with every file's size and sha256
@@ -28,12 +28,15 @@ What it does, with transformers' own callback API only:
   commit), lets ranks disagree about the step and ignores SIGINT; it is switched off here.
 - Each step touches `$HEALTH_FILE`; `OUTPUT_DIR/progress.json` (what the pod reports) and TensorBoard
   events under `OUTPUT_DIR/tensorboard` (what the pod uploads) are written on rank 0.
+- A restored checkpoint at (or past) the last step is a finished run: trainer.train() returns
+  before its first step (the Trainer would train one past the last), nothing is trained or saved.
 - Rank 0 prints the trainer's events (job/contract.py: resumed, step, checkpoint, stopped, done), as
   train.py does: what tools wait on, beside the lines people read.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -71,6 +74,14 @@ def event(kind: str, **fields) -> None:
 
 def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
+
+
+class _RunDone(Exception):
+    """The restored step is the last: raised before the first step, so trainer.train() trains nothing."""
+
+    def __init__(self, step: int, loss: float | None):
+        super().__init__(f"step {step} is the last")
+        self.step, self.loss = step, loss
 
 
 class CheckpointLayoutError(Exception):
@@ -239,6 +250,8 @@ class CommitCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.start_step = state.global_step
         self.beat()
+        if 0 < state.max_steps <= state.global_step:
+            self._finish_without_training(state)
         if self.master:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -249,6 +262,18 @@ class CommitCallback(TrainerCallback):
             event("resumed", step=state.global_step, name=self.resuming_from,
                   seconds=round(time.monotonic() - self.resume_started, 3))
         self.last_log = (time.monotonic(), state.global_step)
+
+    def _finish_without_training(self, state) -> None:
+        """A run whose restored checkpoint is at (or past) the last step is done: the Trainer's loop
+        would train a step past it before it looks at should_training_stop, so it is left here."""
+        if self.master:
+            log(f"{self.resuming_from} is at step {state.global_step} of {state.max_steps}: the run is done, "
+                f"nothing to train")
+            self.write_progress(state)
+            event("resumed", step=state.global_step, name=self.resuming_from,
+                  seconds=round(time.monotonic() - self.resume_started, 3))
+            event("done", step=state.global_step)
+        raise _RunDone(state.global_step, self.train_loss)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.beat()
@@ -438,7 +463,21 @@ def attach(trainer, keep: int | None = None, output_dir: str | None = None, meta
                               health_file=os.environ.get("HEALTH_FILE"), meta=meta, tokens_per_step=tokens_per_step)
     callback.install_signal_handlers()
     trainer.add_callback(callback)
+    trainer.train = _train_unless_done(trainer.train)
     return Resume(trainer, callback)
+
+
+def _train_unless_done(train):
+    """trainer.train, returning at once when the callback found the run done before its first step."""
+    @functools.wraps(train)
+    def train_unless_done(*args, **kwargs):
+        try:
+            return train(*args, **kwargs)
+        except _RunDone as done:
+            from transformers.trainer_utils import TrainOutput
+
+            return TrainOutput(done.step, done.loss if done.loss is not None else float("nan"), {})
+    return train_unless_done
 
 
 def main_exit(code: int) -> None:

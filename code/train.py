@@ -390,15 +390,15 @@ class Trainer:
         state = load_optimizer_state(self.optimizer, folder / "state.pt")
         restore_rng(state["rng"], self.rt)
         self.step = state["step"]
-        if self.step > self.cfg.train.max_steps:
-            raise ConfigError(f"checkpoint {folder.name} is past train.max_steps ({self.cfg.train.max_steps}); "
-                              f"raise train.max_steps, or use a new S3_OUTPUT_URI")
         self.best_val_loss = state["best_val_loss"]
         self.best_step = state["best_step"]
         self.val_loss = state.get("val_loss")
         self.train_loss = state.get("train_loss")
         if self.rt.master:
             log(f"resumed from {folder.name} (step {self.step}) in {time.monotonic() - started:.1f}s")
+            if self.step >= self.cfg.train.max_steps:
+                log(f"step {self.step} is at or past train.max_steps ({self.cfg.train.max_steps}): the run is done, "
+                    f"nothing to train")
             event("resumed", step=self.step, name=folder.name, seconds=round(time.monotonic() - started, 3),
                   hashed_by=self.hashed_by)
             if self.best_step == self.step:
