@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import math
 import os
 import shutil
@@ -49,7 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import checkpoint
-import contract
+import trainer_kit
+from trainer_kit import event
 
 try:
     from transformers import TrainerCallback
@@ -61,19 +61,7 @@ TRAINER_PREFIX = "checkpoint-"  # transformers' PREFIX_CHECKPOINT_DIR
 _CHUNK = 8 << 20
 
 
-def log(message: str) -> None:
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    print(f"{stamp} hf_resume: {message}", flush=True)
-
-
-def event(kind: str, **fields) -> None:
-    """One of the trainer's events (job/contract.py); the same source as train.py's: tools need not
-    know which trainer runs."""
-    contract.event(kind, contract.TRAINER_SOURCE, **fields)
-
-
-def _finite(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
+log = trainer_kit.logger("hf_resume")
 
 
 class _RunDone(Exception):
@@ -187,15 +175,6 @@ class _Dist:
         if self.on:
             self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
 
-    def max(self, value: int) -> int:
-        if not self.on:
-            return value
-        import torch
-
-        flag = torch.tensor([value])
-        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item())
-
     def barrier(self) -> None:
         if self.on:
             self.dist.barrier(group=self.group)
@@ -220,8 +199,8 @@ class CommitCallback(TrainerCallback):
         self.dist = dist or _Dist()
         self.master = self.dist.rank == 0
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.health = Path(health_file) if health_file and local_rank == 0 else None
-        self.signum = 0  # a signal this process received
+        self.heartbeat = trainer_kit.Heartbeat(health_file if local_rank == 0 else None, every=1.0)
+        self.stop = trainer_kit.StopSignal()
         self.stopped_by = 0  # the signal all processes agreed to stop for
         self.start_step = 0
         self.train_loss = None
@@ -230,20 +209,14 @@ class CommitCallback(TrainerCallback):
         self.best_step = 0
         self.writer = None
         self.last_log = None
-        self.last_beat = float("-inf")
+        self.speed: dict = {}
         self.tokens_per_step = tokens_per_step  # for tokens_per_s in the step event; None: unknown
         self.resuming_from: str | None = None  # what Resume.checkpoint() chose
         self.resume_started = time.monotonic()  # the load is timed from that choice to the first step
         self.save_requested: float | None = None
 
-    # signals
-
     def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._request_stop)
-
-    def _request_stop(self, signum, frame) -> None:
-        self.signum = self.signum or signum
+        self.stop.install()
 
     # events
 
@@ -278,7 +251,7 @@ class CommitCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.beat()
         # A collective each step, on every rank, so all stop after the same step.
-        agreed = self.dist.max(self.signum)
+        agreed = self.stop.agreed(self.dist.group)
         if agreed and not self.stopped_by:
             self.stopped_by = agreed
             if self.master:
@@ -351,7 +324,7 @@ class CommitCallback(TrainerCallback):
                 + f" | {ms_per_step:.1f} ms/step")
             known = self.tokens_per_step and ms_per_step > 0
             tokens_per_s = self.tokens_per_step * 1000 / ms_per_step if known else None
-            event("step", step=step, max_steps=state.max_steps, loss=_finite(self.train_loss),
+            event("step", step=step, max_steps=state.max_steps, loss=trainer_kit.finite(self.train_loss),
                   ms_per_step=ms_per_step, tokens_per_s=tokens_per_s)
         if "eval_loss" in logs:
             self._saw_val_loss(float(logs["eval_loss"]), step)
@@ -393,10 +366,7 @@ class CommitCallback(TrainerCallback):
         self.best_step = meta.get("best_step") if isinstance(meta.get("best_step"), int) else 0
 
     def beat(self) -> None:
-        now = time.monotonic()
-        if self.health and now - self.last_beat >= 1.0:
-            self.health.touch()
-            self.last_beat = now
+        self.heartbeat.beat()
 
     def meta(self, state) -> dict:
         return {"step": state.global_step, "max_steps": state.max_steps, "keep": self.keep,
@@ -405,16 +375,9 @@ class CommitCallback(TrainerCallback):
                 "world_size": self.dist.world_size, "trainer": "transformers", **self.extra_meta}
 
     def write_progress(self, state) -> None:
-        progress = {"step": state.global_step, "start_step": self.start_step, "max_steps": state.max_steps,
-                    "train_loss": self.train_loss, "val_loss": self.val_loss,
-                    "best_val_loss": self.best_val_loss, "best_step": self.best_step,
-                    "updated_at": time.time()}
-        progress.update(getattr(self, "speed", {}))
-        self.out.mkdir(parents=True, exist_ok=True)
-        path = self.out / "progress.json"
-        temp = path.with_suffix(".json.tmp")
-        temp.write_text(json.dumps(progress))
-        os.replace(temp, path)
+        trainer_kit.write_progress(self.out, step=state.global_step, start_step=self.start_step,
+                                   max_steps=state.max_steps, train_loss=self.train_loss, val_loss=self.val_loss,
+                                   best_val_loss=self.best_val_loss, best_step=self.best_step, speed=self.speed)
 
 
 # -- the one-call API -----------------------------------------------------------------------------

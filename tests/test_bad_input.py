@@ -125,7 +125,7 @@ def bad_requirements(lab: Lab, tmp_path: Path) -> dict:
 
 def no_checkpoint_module(lab: Lab, tmp_path: Path) -> dict:
     uri = lab.code_copy("code-nockpt/")
-    for name in ("checkpoint.py", "contract.py"):  # code/'s links to job/: the runtime brings both
+    for name in ("checkpoint.py", "contract.py", "trainer_kit.py"):  # code/'s links to job/: the runtime brings them
         lab.s3.delete_object(Bucket=BUCKET, Key=f"code-nockpt/{name}")
     return {"S3_CODE_URI": uri}
 
@@ -211,7 +211,7 @@ CASES = [
     Case("manifest naming a missing file", 0, "in S3 is damaged (extra.pt is named in the manifest but missing)",
          prepare=manifest_names_missing_file),
     # The protocol ships with the runtime: a trainer that brings none imports the runtime's copy.
-    Case("code without checkpoint.py and contract.py", 0, "COMPLETE: {", prepare=no_checkpoint_module),
+    Case("code without checkpoint.py, contract.py, trainer_kit.py", 0, "COMPLETE: {", prepare=no_checkpoint_module),
     Case("manifest that is not JSON", 0, "in S3 is damaged (its manifest.json is not JSON)", prepare=broken_manifest),
 ]
 
