@@ -235,24 +235,78 @@ def from_dict(raw: dict, source: str = "config") -> Config:
         raise ConfigError(f"{source}: {err}") from None
 
 
+DATA_DTYPE = "<u2"  # token ids as scripts/prepare_data.py writes them and train.py's batches read them
+SCAN_TOKENS = 32 << 20  # token ids per numpy pass of the id scan: 64 MB of a memory map at a time
+
+
 def check_data(data_dir: str | Path, cfg: Config) -> None:
-    """train.bin and val.bin are there, long enough, and fit the vocabulary."""
+    """train.bin and val.bin are there, whole uint16 files long enough for one block, agree with
+    meta.json, and hold no token id the model has no embedding for: what would fail at a step (an
+    IndexError, a device-side assert) fails here, before the first one, as bad input."""
     data_dir = Path(data_dir)
+    meta = _data_meta(data_dir / "meta.json", cfg)
     for split in ("train", "val"):
         path = data_dir / f"{split}.bin"
         if not path.is_file():
             raise ConfigError(f"{path} not found; run scripts/prepare_data.py and upload its output to S3_DATA_URI")
-        tokens = path.stat().st_size // 2
+        size = path.stat().st_size
+        if size % 2:
+            raise ConfigError(f"{path} is {size} bytes, not a whole number of 2-byte (uint16) token ids: it was cut "
+                              f"short or not made by scripts/prepare_data.py; make it again and upload it")
+        tokens = size // 2
+        expected = meta.get(f"{split}_tokens")
+        if _is_int(expected) and expected != tokens:
+            raise ConfigError(f"{path} holds {tokens} tokens but meta.json says {expected}: the data in S3 is cut "
+                              f"short or mixes two preparations; upload train.bin, val.bin and meta.json of one "
+                              f"scripts/prepare_data.py run")
         if tokens <= cfg.model.block_size + 1:
             raise ConfigError(f"{path} holds {tokens} tokens, fewer than model.block_size+2 "
                               f"({cfg.model.block_size + 2}); give more data or a smaller block_size")
-    meta_path = data_dir / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        vocab = int(meta.get("vocab_size", 0))
-        if vocab > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the data's "
-                              f"vocabulary ({vocab}, {meta_path}); set model.vocab_size to at least {vocab}")
+        check_token_ids(path, cfg.model.vocab_size)
+
+
+def _data_meta(path: Path, cfg: Config) -> dict:
+    """meta.json (optional): its dtype must be the trainer's, its vocabulary must fit the model."""
+    if not path.is_file():
+        return {}
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{path} is not a JSON object; make the data with scripts/prepare_data.py (or delete "
+                          f"meta.json: it is optional)")
+    dtype = meta.get("dtype", "uint16")
+    if dtype != "uint16":
+        raise ConfigError(f"{path} says the token ids are {dtype!r}, but the trainer reads uint16; make the data "
+                          f"with scripts/prepare_data.py (a vocabulary of at most 65536)")
+    vocab = meta.get("vocab_size", 0)
+    if not _is_int(vocab) or vocab < 0:
+        raise ConfigError(f"{path}: vocab_size is {vocab!r}, not a count of tokens; make the data with "
+                          f"scripts/prepare_data.py")
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the data's "
+                          f"vocabulary ({vocab}, {path}); set model.vocab_size to at least {vocab}")
+    return meta
+
+
+def check_token_ids(path: Path, vocab_size: int) -> None:
+    """Every token id below vocab_size: numpy's max over a memory map, SCAN_TOKENS ids at a time."""
+    import numpy as np
+
+    data = np.memmap(path, dtype=DATA_DTYPE, mode="r")
+    for start in range(0, len(data), SCAN_TOKENS):
+        chunk = data[start:start + SCAN_TOKENS]
+        if int(chunk.max()) >= vocab_size:
+            at = start + int(np.flatnonzero(chunk >= vocab_size)[0])
+            largest = max(int(data[i:i + SCAN_TOKENS].max()) for i in range(start, len(data), SCAN_TOKENS))
+            raise ConfigError(f"{path} holds token id {int(data[at])} (token {at:,}), but model.vocab_size is "
+                              f"{vocab_size}; set model.vocab_size to at least {largest + 1}, or make the data "
+                              f"with the model's tokenizer")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_same_model(saved: dict, cfg: Config, where: str) -> None:
