@@ -305,7 +305,7 @@ def build(settings: Settings, args: argparse.Namespace, world_size: int, texts: 
         use_cpu=not cuda,
         ddp_backend="gloo" if world_size > 1 and not cuda else None,
         dataloader_num_workers=0,
-        activation_checkpointing=settings.model.gradient_checkpointing,
+        **checkpointing_argument(TrainingArguments, settings.model.gradient_checkpointing),
     )
     train_data = datasets.Dataset.from_dict({"input_ids": train_blocks, "labels": train_blocks})
     eval_data = None
@@ -317,6 +317,13 @@ def build(settings: Settings, args: argparse.Namespace, world_size: int, texts: 
                       data_collator=default_data_collator, processing_class=tokenizer)
     trainer.remove_callback(PrinterCallback)  # hf_resume logs one line per logging step
     return trainer
+
+
+def checkpointing_argument(arguments_class, on: bool) -> dict:
+    """transformers 5.23 renamed gradient_checkpointing to activation_checkpointing (the old name
+    warns there; before 5.23 the new one is an unexpected keyword)."""
+    names = {field.name for field in dataclasses.fields(arguments_class)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": on}
 
 
 def _with_lora(model, lora: LoraSettings):
@@ -403,7 +410,7 @@ def check_libraries(settings: Settings) -> None:
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
         raise ConfigError(f"{', '.join(missing)} not installed; add them to the code's requirements.txt "
-                          f"(transformers==5.23.0 accelerate==1.15.0 peft==0.21.2) or to the image")
+                          f"(the pod installs versions in job/constraints.txt's range) or to the image")
 
 
 def main(argv: list[str] | None = None) -> int:
