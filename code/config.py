@@ -11,9 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import os
-import sys
-import time
 import typing
 from pathlib import Path
 
@@ -21,6 +18,8 @@ import yaml
 
 # The pod's exit codes are the runtime's contract (code/contract.py links to job/contract.py).
 from contract import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_UNAVAILABLE  # noqa: F401 - train.py, finetune.py use them
+# A group's failures and torchrun's error file are every trainer's: trainer_kit owns them.
+from trainer_kit import group_failure_code, peer_lost, record_exit, report_failure  # noqa: F401
 
 
 class ConfigError(Exception):
@@ -28,54 +27,6 @@ class ConfigError(Exception):
 
 
 
-
-
-# How a collective fails when the process at the other end is gone: its socket closed by the
-# kernel (pod killed, SIGKILL, OOM) or no answer within the process group's timeout (node lost).
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
-_DIST_ERRORS = ("DistNetworkError", "DistBackendError", "DistStoreError")
-
-
-def peer_lost(err: BaseException) -> bool:
-    """Whether ERR is another process of the group gone, not a fault of this one."""
-    text = str(err)
-    if type(err).__name__ in _DIST_ERRORS:
-        return True
-    return isinstance(err, RuntimeError) and "gloo" in text and any(marker in text for marker in _PEER_GONE)
-
-
-_PEER_DIED = ("Connection closed by peer", "Connection reset by peer")
-
-
-def group_failure_code(err: BaseException, trained: bool) -> int | None:
-    """The exit code for a collective that failed, or None when ERR is the trainer's own fault.
-    138 when the group had formed: it trained a step here, or the peer was there and its
-    connection closed (its pod died; its own exit is what the Job counts). 75 otherwise: a group
-    that never gets that far (a wrong address, a firewall, timeouts) must use up the Job's retries,
-    not restart forever."""
-    if not peer_lost(err):
-        return None
-    if trained or any(marker in str(err) for marker in _PEER_DIED):
-        return EXIT_PEER_LOST
-    return EXIT_UNAVAILABLE
-
-
-def record_exit(code: int, message: str) -> None:
-    """torchelastic's error file with CODE, no line: torchrun exits 1 whatever its workers' codes,
-    and a node stopped by its peers' signal has nothing to say on stderr."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        payload = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
-        Path(error_file).write_text(json.dumps(payload))
-
-
-def report_failure(message: str, rank: int, code: int = EXIT_BAD_INPUT) -> int:
-    """One line on stderr (rank 0), and torchelastic's error file, so the pod learns the code:
-    torchrun itself exits 1 whatever its workers' codes, and copies this file with theirs."""
-    if rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    record_exit(code, message)
-    return code
 
 
 @dataclasses.dataclass

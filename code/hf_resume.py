@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import checkpoint
+import contract
 import trainer_kit
 from trainer_kit import event
 
@@ -186,6 +187,31 @@ class _Dist:
         self.dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def gather(self, value) -> list:
+        """Every rank's value, on rank 0 (the others get [])."""
+        if not self.on:
+            return [value]
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        self.dist.gather_object(value, gathered, dst=0, group=self.group)
+        return gathered or []
+
+    def count(self, flag: bool) -> int:
+        """How many ranks say True, on every rank."""
+        if not self.on:
+            return int(flag)
+        import torch
+
+        total = torch.tensor([int(flag)])
+        self.dist.all_reduce(total, op=self.dist.ReduceOp.SUM, group=self.group)
+        return int(total.item())
+
+
+def leave(message: str, code: int, rank: int) -> None:
+    """End the process with CODE (one line on rank 0, torchrun's error file with the message), as
+    train.py does for what the pod's contract gives a code: no traceback, no interpreter teardown."""
+    trainer_kit.report_failure(message, rank, code)
+    main_exit(code)
+
 
 class CommitCallback(TrainerCallback):
     """Commits each Trainer save, stops on SIGTERM/SIGINT after saving, reports progress."""
@@ -199,10 +225,14 @@ class CommitCallback(TrainerCallback):
         self.dist = dist or _Dist()
         self.master = self.dist.rank == 0
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        # A node of a group but node 0 (torchrun's GROUP_RANK): its Trainer saves its ranks' RNG
+        # files on its own disk, which no one uploads; rank 0 gathers them into the commit.
+        self.other_node_saver = os.environ.get("GROUP_RANK", "0") != "0" and local_rank == 0
         self.heartbeat = trainer_kit.Heartbeat(health_file if local_rank == 0 else None, every=1.0)
         self.stop = trainer_kit.StopSignal()
         self.stopped_by = 0  # the signal all processes agreed to stop for
         self.start_step = 0
+        self.trained = False  # a step finished in this process
         self.train_loss = None
         self.val_loss = None
         self.best_val_loss = None
@@ -249,11 +279,14 @@ class CommitCallback(TrainerCallback):
         raise _RunDone(state.global_step, self.train_loss)
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.trained = True
         self.beat()
         # A collective each step, on every rank, so all stop after the same step.
         agreed = self.stop.agreed(self.dist.group)
         if agreed and not self.stopped_by:
             self.stopped_by = agreed
+            # For torchrun's error file: a node that got no signal itself (a peer did) exits 128+N too.
+            trainer_kit.record_exit(128 + agreed, f"stopped after {signal.Signals(agreed).name} (the step is committed)")
             if self.master:
                 log(f"{signal.Signals(agreed).name}: step {state.global_step} finished; "
                     f"committing a checkpoint of it before exit")
@@ -285,8 +318,11 @@ class CommitCallback(TrainerCallback):
         final = self.root / checkpoint.step_dir_name(state.global_step)
         if state.best_model_checkpoint and Path(state.best_model_checkpoint) == source:
             state.best_model_checkpoint = str(final)  # load_best_model_at_end finds it there (until pruned)
-        # Every rank wrote its part (rng_state_<rank>.pth) before rank 0 moves the folder.
-        self.dist.barrier()
+        # Every rank wrote its part (rng_state_<rank>.pth); rank 0 gathers those of other nodes.
+        self._gather_rng_files(source)
+        self.dist.barrier()  # every rank read its file before another node's folder goes
+        if self.other_node_saver:
+            _remove_tree(source)
         if self.master:
             started = time.monotonic()
             requested = self.save_requested or started
@@ -305,6 +341,18 @@ class CommitCallback(TrainerCallback):
         self.save_requested = None
         self.beat()
         return control
+
+    def _gather_rng_files(self, source: Path) -> None:
+        """Every rank's RNG state file into rank 0's folder before it commits: the checkpoint holds
+        the whole group's, so every node resumes each rank's dropout draws exactly."""
+        if not self.dist.on:
+            return
+        name = f"rng_state_{self.dist.rank}.pth"
+        mine = (source / name).read_bytes() if (source / name).is_file() else None
+        for rank, data in enumerate(self.dist.gather(mine)):
+            path = source / f"rng_state_{rank}.pth"
+            if data is not None and not path.exists():  # a rank of node 0 wrote its own here
+                path.write_bytes(data)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not self.master or not logs:
@@ -368,6 +416,14 @@ class CommitCallback(TrainerCallback):
     def beat(self) -> None:
         self.heartbeat.beat()
 
+    def leave_if_peer_lost(self, err: Exception) -> None:
+        """A collective failed because a peer (another node) is gone: exit 138 once this process
+        trained a step (the Job restarts the group uncounted), else 75; anything else is not ours."""
+        code = trainer_kit.group_failure_code(err, self.trained) if self.dist.on else None
+        if code is not None:
+            what = "a peer of the group went away" if self.trained else "the group failed before its first step"
+            leave(f"{what} (rank {self.dist.rank}: {str(err).splitlines()[0][:200]})", code, self.dist.rank)
+
     def meta(self, state) -> dict:
         return {"step": state.global_step, "max_steps": state.max_steps, "keep": self.keep,
                 "train_loss": self.train_loss, "val_loss": self.val_loss,
@@ -397,7 +453,17 @@ class Resume:
             name = folder.name if folder else None
             log(f"resuming from {name}" if name else "no committed checkpoint: starting from step 0")
             self.callback.resuming_from, self.callback.resume_started = name, time.monotonic()
-        name = self.callback.dist.broadcast(name)
+        try:
+            name = self.callback.dist.broadcast(name)
+            # In a group each node restored node 0's choice from S3; one with another (a newer step
+            # landed between two nodes' restores) must not load different weights: the group restarts.
+            missing = self.callback.dist.count(name is not None and not checkpoint.is_committed(self.callback.root / name))
+        except Exception as err:
+            self.callback.leave_if_peer_lost(err)
+            raise
+        if missing:
+            leave(f"{missing} process(es) have no committed {name}, which rank 0 resumes from; the group restarts "
+                  f"and every node restores it again", contract.EXIT_UNAVAILABLE, self.callback.dist.rank)
         if name is None:
             return None
         self.callback.restore_report((checkpoint.read_manifest(self.callback.root / name) or {}).get("meta", {}))
@@ -424,14 +490,30 @@ def attach(trainer, keep: int | None = None, output_dir: str | None = None, meta
         keep = args.save_total_limit or 3
     callback = CommitCallback(output_dir or args.output_dir, keep=keep,
                               health_file=os.environ.get("HEALTH_FILE"), meta=meta, tokens_per_step=tokens_per_step)
+    problem = trainer_kit.writer_not_on_node0(callback.dist.rank)
+    if problem:
+        leave(problem, contract.EXIT_BAD_INPUT, callback.dist.rank)
+    _plain_cpu_device(args)
     callback.install_signal_handlers()
     trainer.add_callback(callback)
-    trainer.train = _train_unless_done(trainer.train)
+    trainer.train = _train_unless_done(trainer.train, callback)
     return Resume(trainer, callback)
 
 
-def _train_unless_done(train):
-    """trainer.train, returning at once when the callback found the run done before its first step."""
+def _plain_cpu_device(args) -> None:
+    """A process of a multi-process CPU run has device cpu:<index> (accelerate); transformers 4.57
+    resumes its optimizer with torch.load(map_location=that device), which torch refuses ("don't know
+    how to restore data location ... (tagged with cpu:0)"). `cpu` is the same device."""
+    device = getattr(args, "device", None)
+    if device is not None and device.type == "cpu" and device.index is not None:
+        import torch
+
+        args.__dict__["_setup_devices"] = torch.device("cpu")  # the cached value `device` returns
+
+
+def _train_unless_done(train, callback: CommitCallback):
+    """trainer.train, returning at once when the callback found the run done before its first
+    step, and ending the process with the group's code when a peer went away."""
     @functools.wraps(train)
     def train_unless_done(*args, **kwargs):
         try:
@@ -440,6 +522,9 @@ def _train_unless_done(train):
             from transformers.trainer_utils import TrainOutput
 
             return TrainOutput(done.step, done.loss if done.loss is not None else float("nan"), {})
+        except Exception as err:
+            callback.leave_if_peer_lost(err)
+            raise
     return train_unless_done
 
 

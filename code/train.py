@@ -114,14 +114,10 @@ class Runtime:
                 self.cpu_group = dist.new_group(backend="gloo")
 
     def check_writer_on_node0(self) -> None:
-        """Rank 0 writes the checkpoints, and in a group of pods only node 0 uploads them (job/script.sh:
-        NODE_RANK; torchrun: GROUP_RANK, this node's place in its rendezvous). Were they different
-        nodes, every checkpoint would stay on a disk nobody uploads."""
-        node, group = os.environ.get("NODE_RANK"), os.environ.get("GROUP_RANK")
-        if self.rank == 0 and node not in (None, "0") and group == "0":
-            raise ConfigError(f"global rank 0 (the checkpoint writer) runs on node {node}, not on node 0, "
-                              f"which uploads; the pods' names must sort with node 0 first "
-                              f"(<run>-0, <run>-1, ...: scripts/submit.py names them so)")
+        """Rank 0, the writer, on node 0, the uploader (trainer_kit.writer_not_on_node0)."""
+        problem = trainer_kit.writer_not_on_node0(self.rank)
+        if problem:
+            raise ConfigError(problem)
 
     def stop(self) -> None:
         if self.ddp and dist.is_initialized():

@@ -8,6 +8,8 @@ events, the heartbeat, the stop that every process agrees on, and progress.json.
     stop = trainer_kit.StopSignal().install()          # SIGTERM/SIGINT recorded
     signum = stop.agreed(group)                        # a collective: every rank, each step
     trainer_kit.write_progress(out, step=..., start_step=..., max_steps=..., ...)
+    code = trainer_kit.group_failure_code(err, trained)    # a peer gone: 138 (or 75 before a step)
+    trainer_kit.report_failure(message, rank, code)       # one line, and torchrun's error file
 
 train.py and hf_resume.py use it. It ships with the runtime (job/, on the trainer's PYTHONPATH) and
 code/ links it, so a trainer of one's own finds it either way. torch is imported only by the stop's
@@ -20,6 +22,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -103,3 +106,62 @@ def write_progress(output_dir: Path | str, *, step: int, start_step: int | None,
     temp = path.with_suffix(".json.tmp")
     temp.write_text(json.dumps(progress))
     os.replace(temp, path)
+
+
+# How a collective fails when the process at the other end is gone: its socket closed by the
+# kernel (pod killed, SIGKILL, OOM) or no answer within the process group's timeout (node lost).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
+_DIST_ERRORS = ("DistNetworkError", "DistBackendError", "DistStoreError")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether ERR is another process of the group gone, not a fault of this one."""
+    text = str(err)
+    if type(err).__name__ in _DIST_ERRORS:
+        return True
+    return isinstance(err, RuntimeError) and "gloo" in text and any(marker in text for marker in _PEER_GONE)
+
+
+_PEER_DIED = ("Connection closed by peer", "Connection reset by peer")
+
+
+def group_failure_code(err: BaseException, trained: bool) -> int | None:
+    """The exit code for a collective that failed, or None when ERR is the trainer's own fault.
+    138 when the group had formed: it trained a step here, or the peer was there and its
+    connection closed (its pod died; its own exit is what the Job counts). 75 otherwise: a group
+    that never gets that far (a wrong address, a firewall, timeouts) must use up the Job's retries,
+    not restart forever."""
+    if not peer_lost(err):
+        return None
+    if trained or any(marker in str(err) for marker in _PEER_DIED):
+        return contract.EXIT_PEER_LOST
+    return contract.EXIT_UNAVAILABLE
+
+
+def record_exit(code: int, message: str) -> None:
+    """torchelastic's error file with CODE, no line: torchrun exits 1 whatever its workers' codes,
+    and a node stopped by its peers' signal has nothing to say on stderr."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        payload = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        Path(error_file).write_text(json.dumps(payload))
+
+
+def report_failure(message: str, rank: int, code: int = contract.EXIT_BAD_INPUT) -> int:
+    """One line on stderr (rank 0), and torchelastic's error file, so the pod learns the code:
+    torchrun itself exits 1 whatever its workers' codes, and copies this file with theirs."""
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    record_exit(code, message)
+    return code
+
+
+def writer_not_on_node0(rank: int) -> str | None:
+    """Rank 0 writes the checkpoints, and in a group of pods only node 0 uploads them (job/script.sh:
+    NODE_RANK; torchrun: GROUP_RANK, this node's place in its rendezvous). Were they different
+    nodes, every checkpoint would stay on a disk nobody uploads: the one line saying so, or None."""
+    node, group = os.environ.get("NODE_RANK"), os.environ.get("GROUP_RANK")
+    if rank == 0 and node not in (None, "0") and group == "0":
+        return (f"global rank 0 (the checkpoint writer) runs on node {node}, not on node 0, which uploads; the "
+                f"pods' names must sort with node 0 first (<run>-0, <run>-1, ...: scripts/submit.py names them so)")
+    return None
