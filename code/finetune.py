@@ -262,7 +262,7 @@ def build(settings: Settings, args: argparse.Namespace, world_size: int, texts: 
 
     cuda = torch.cuda.is_available()
     bf16 = cuda and settings.model.dtype == "bfloat16"
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
+    tokenizer = load_tokenizer(AutoTokenizer, args.model_dir)
     train_texts, val_texts = texts
     block = settings.data.block_size
     train_blocks = pack(train_texts, tokenizer, block, "training")
@@ -317,6 +317,20 @@ def build(settings: Settings, args: argparse.Namespace, world_size: int, texts: 
                       data_collator=default_data_collator, processing_class=tokenizer)
     trainer.remove_callback(PrinterCallback)  # hf_resume logs one line per logging step
     return trainer
+
+
+def load_tokenizer(auto_tokenizer, model_dir: str):
+    """The snapshot's tokenizer; one saved by a transformers this one does not know (a 5.x snapshot
+    names the class TokenizersBackend, which 4.57 lacks) is bad input, not a crash."""
+    import transformers
+
+    try:
+        return auto_tokenizer.from_pretrained(model_dir, local_files_only=True)
+    except ValueError as err:
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(f"the tokenizer in {model_dir} cannot be loaded by transformers {transformers.__version__} "
+                          f"({first}); save the snapshot with the transformers the run uses, or use an image with "
+                          f"the one that saved it") from None
 
 
 def checkpointing_argument(arguments_class, on: bool) -> dict:

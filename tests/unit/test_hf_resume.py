@@ -75,3 +75,13 @@ def test_the_activation_checkpointing_setting_reaches_this_transformers_under_it
     names = {field.name for field in dataclasses.fields(TrainingArguments)}
     assert getattr(args, "activation_checkpointing" if "activation_checkpointing" in names
                    else "gradient_checkpointing") is on
+
+
+def test_a_tokenizer_this_transformers_cannot_load_is_bad_input(tmp_path):
+    from transformers import AutoTokenizer
+
+    # What a 5.x snapshot is to 4.57 (TokenizersBackend): a tokenizer class this version lacks.
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "NoSuchTokenizerFromTheFuture"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(finetune.ConfigError, match=r"^the tokenizer in .* cannot be loaded by transformers [0-9.]+ \("):
+        finetune.load_tokenizer(AutoTokenizer, str(tmp_path))
