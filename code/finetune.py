@@ -320,13 +320,14 @@ def build(settings: Settings, args: argparse.Namespace, world_size: int, texts: 
 
 
 def load_tokenizer(auto_tokenizer, model_dir: str):
-    """The snapshot's tokenizer; one saved by a transformers this one does not know (a 5.x snapshot
-    names the class TokenizersBackend, which 4.57 lacks) is bad input, not a crash."""
+    """The snapshot's tokenizer; one whose class this transformers does not know (a 5.x snapshot
+    names TokenizersBackend, which 4.57 lacks: ValueError; 5.0 fails on an unknown class with
+    AttributeError) is bad input, not a crash."""
     import transformers
 
     try:
         return auto_tokenizer.from_pretrained(model_dir, local_files_only=True)
-    except ValueError as err:
+    except (ValueError, AttributeError) as err:
         first = str(err).strip().splitlines()[0]
         raise ConfigError(f"the tokenizer in {model_dir} cannot be loaded by transformers {transformers.__version__} "
                           f"({first}); save the snapshot with the transformers the run uses, or use an image with "
