@@ -270,8 +270,8 @@ class CommitCallback(TrainerCallback):
         """A run whose restored checkpoint is at (or past) the last step is done: the Trainer's loop
         would train a step past it before it looks at should_training_stop, so it is left here."""
         if self.master:
-            log(f"{self.resuming_from} is at step {state.global_step} of {state.max_steps}: the run is done, "
-                f"nothing to train")
+            log(f"{self.resuming_from or 'the checkpoint'} is at step {state.global_step} of {state.max_steps}: "
+                f"the run is done, nothing to train")
             self.write_progress(state)
             event("resumed", step=state.global_step, name=self.resuming_from,
                   seconds=round(time.monotonic() - self.resume_started, 3))
