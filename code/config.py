@@ -11,9 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import os
-import sys
-import time
 import typing
 from pathlib import Path
 
@@ -21,6 +18,8 @@ import yaml
 
 # The pod's exit codes are the runtime's contract (code/contract.py links to job/contract.py).
 from contract import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_UNAVAILABLE  # noqa: F401 - train.py, finetune.py use them
+# A group's failures and torchrun's error file are every trainer's: trainer_kit owns them.
+from trainer_kit import group_failure_code, peer_lost, record_exit, report_failure  # noqa: F401
 
 
 class ConfigError(Exception):
@@ -28,54 +27,6 @@ class ConfigError(Exception):
 
 
 
-
-
-# How a collective fails when the process at the other end is gone: its socket closed by the
-# kernel (pod killed, SIGKILL, OOM) or no answer within the process group's timeout (node lost).
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
-_DIST_ERRORS = ("DistNetworkError", "DistBackendError", "DistStoreError")
-
-
-def peer_lost(err: BaseException) -> bool:
-    """Whether ERR is another process of the group gone, not a fault of this one."""
-    text = str(err)
-    if type(err).__name__ in _DIST_ERRORS:
-        return True
-    return isinstance(err, RuntimeError) and "gloo" in text and any(marker in text for marker in _PEER_GONE)
-
-
-_PEER_DIED = ("Connection closed by peer", "Connection reset by peer")
-
-
-def group_failure_code(err: BaseException, trained: bool) -> int | None:
-    """The exit code for a collective that failed, or None when ERR is the trainer's own fault.
-    138 when the group had formed: it trained a step here, or the peer was there and its
-    connection closed (its pod died; its own exit is what the Job counts). 75 otherwise: a group
-    that never gets that far (a wrong address, a firewall, timeouts) must use up the Job's retries,
-    not restart forever."""
-    if not peer_lost(err):
-        return None
-    if trained or any(marker in str(err) for marker in _PEER_DIED):
-        return EXIT_PEER_LOST
-    return EXIT_UNAVAILABLE
-
-
-def record_exit(code: int, message: str) -> None:
-    """torchelastic's error file with CODE, no line: torchrun exits 1 whatever its workers' codes,
-    and a node stopped by its peers' signal has nothing to say on stderr."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        payload = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
-        Path(error_file).write_text(json.dumps(payload))
-
-
-def report_failure(message: str, rank: int, code: int = EXIT_BAD_INPUT) -> int:
-    """One line on stderr (rank 0), and torchelastic's error file, so the pod learns the code:
-    torchrun itself exits 1 whatever its workers' codes, and copies this file with theirs."""
-    if rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    record_exit(code, message)
-    return code
 
 
 @dataclasses.dataclass
@@ -235,24 +186,78 @@ def from_dict(raw: dict, source: str = "config") -> Config:
         raise ConfigError(f"{source}: {err}") from None
 
 
+DATA_DTYPE = "<u2"  # token ids as scripts/prepare_data.py writes them and train.py's batches read them
+SCAN_TOKENS = 32 << 20  # token ids per numpy pass of the id scan: 64 MB of a memory map at a time
+
+
 def check_data(data_dir: str | Path, cfg: Config) -> None:
-    """train.bin and val.bin are there, long enough, and fit the vocabulary."""
+    """train.bin and val.bin are there, whole uint16 files long enough for one block, agree with
+    meta.json, and hold no token id the model has no embedding for: what would fail at a step (an
+    IndexError, a device-side assert) fails here, before the first one, as bad input."""
     data_dir = Path(data_dir)
+    meta = _data_meta(data_dir / "meta.json", cfg)
     for split in ("train", "val"):
         path = data_dir / f"{split}.bin"
         if not path.is_file():
             raise ConfigError(f"{path} not found; run scripts/prepare_data.py and upload its output to S3_DATA_URI")
-        tokens = path.stat().st_size // 2
+        size = path.stat().st_size
+        if size % 2:
+            raise ConfigError(f"{path} is {size} bytes, not a whole number of 2-byte (uint16) token ids: it was cut "
+                              f"short or not made by scripts/prepare_data.py; make it again and upload it")
+        tokens = size // 2
+        expected = meta.get(f"{split}_tokens")
+        if _is_int(expected) and expected != tokens:
+            raise ConfigError(f"{path} holds {tokens} tokens but meta.json says {expected}: the data in S3 is cut "
+                              f"short or mixes two preparations; upload train.bin, val.bin and meta.json of one "
+                              f"scripts/prepare_data.py run")
         if tokens <= cfg.model.block_size + 1:
             raise ConfigError(f"{path} holds {tokens} tokens, fewer than model.block_size+2 "
                               f"({cfg.model.block_size + 2}); give more data or a smaller block_size")
-    meta_path = data_dir / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        vocab = int(meta.get("vocab_size", 0))
-        if vocab > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the data's "
-                              f"vocabulary ({vocab}, {meta_path}); set model.vocab_size to at least {vocab}")
+        check_token_ids(path, cfg.model.vocab_size)
+
+
+def _data_meta(path: Path, cfg: Config) -> dict:
+    """meta.json (optional): its dtype must be the trainer's, its vocabulary must fit the model."""
+    if not path.is_file():
+        return {}
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{path} is not a JSON object; make the data with scripts/prepare_data.py (or delete "
+                          f"meta.json: it is optional)")
+    dtype = meta.get("dtype", "uint16")
+    if dtype != "uint16":
+        raise ConfigError(f"{path} says the token ids are {dtype!r}, but the trainer reads uint16; make the data "
+                          f"with scripts/prepare_data.py (a vocabulary of at most 65536)")
+    vocab = meta.get("vocab_size", 0)
+    if not _is_int(vocab) or vocab < 0:
+        raise ConfigError(f"{path}: vocab_size is {vocab!r}, not a count of tokens; make the data with "
+                          f"scripts/prepare_data.py")
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the data's "
+                          f"vocabulary ({vocab}, {path}); set model.vocab_size to at least {vocab}")
+    return meta
+
+
+def check_token_ids(path: Path, vocab_size: int) -> None:
+    """Every token id below vocab_size: numpy's max over a memory map, SCAN_TOKENS ids at a time."""
+    import numpy as np
+
+    data = np.memmap(path, dtype=DATA_DTYPE, mode="r")
+    for start in range(0, len(data), SCAN_TOKENS):
+        chunk = data[start:start + SCAN_TOKENS]
+        if int(chunk.max()) >= vocab_size:
+            at = start + int(np.flatnonzero(chunk >= vocab_size)[0])
+            largest = max(int(data[i:i + SCAN_TOKENS].max()) for i in range(start, len(data), SCAN_TOKENS))
+            raise ConfigError(f"{path} holds token id {int(data[at])} (token {at:,}), but model.vocab_size is "
+                              f"{vocab_size}; set model.vocab_size to at least {largest + 1}, or make the data "
+                              f"with the model's tokenizer")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_same_model(saved: dict, cfg: Config, where: str) -> None:

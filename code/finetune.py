@@ -262,7 +262,7 @@ def build(settings: Settings, args: argparse.Namespace, world_size: int, texts: 
 
     cuda = torch.cuda.is_available()
     bf16 = cuda and settings.model.dtype == "bfloat16"
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
+    tokenizer = load_tokenizer(AutoTokenizer, args.model_dir)
     train_texts, val_texts = texts
     block = settings.data.block_size
     train_blocks = pack(train_texts, tokenizer, block, "training")
@@ -305,7 +305,7 @@ def build(settings: Settings, args: argparse.Namespace, world_size: int, texts: 
         use_cpu=not cuda,
         ddp_backend="gloo" if world_size > 1 and not cuda else None,
         dataloader_num_workers=0,
-        activation_checkpointing=settings.model.gradient_checkpointing,
+        **checkpointing_argument(TrainingArguments, settings.model.gradient_checkpointing),
     )
     train_data = datasets.Dataset.from_dict({"input_ids": train_blocks, "labels": train_blocks})
     eval_data = None
@@ -317,6 +317,28 @@ def build(settings: Settings, args: argparse.Namespace, world_size: int, texts: 
                       data_collator=default_data_collator, processing_class=tokenizer)
     trainer.remove_callback(PrinterCallback)  # hf_resume logs one line per logging step
     return trainer
+
+
+def load_tokenizer(auto_tokenizer, model_dir: str):
+    """The snapshot's tokenizer; one whose class this transformers does not know (a 5.x snapshot
+    names TokenizersBackend, which 4.57 lacks: ValueError; 5.0 fails on an unknown class with
+    AttributeError) is bad input, not a crash."""
+    import transformers
+
+    try:
+        return auto_tokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, AttributeError) as err:
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(f"the tokenizer in {model_dir} cannot be loaded by transformers {transformers.__version__} "
+                          f"({first}); save the snapshot with the transformers the run uses, or use an image with "
+                          f"the one that saved it") from None
+
+
+def checkpointing_argument(arguments_class, on: bool) -> dict:
+    """transformers 5.23 renamed gradient_checkpointing to activation_checkpointing (the old name
+    warns there; before 5.23 the new one is an unexpected keyword)."""
+    names = {field.name for field in dataclasses.fields(arguments_class)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": on}
 
 
 def _with_lora(model, lora: LoraSettings):
@@ -346,10 +368,6 @@ def check_resumable(folder: str | None, settings: Settings) -> None:
     if method and method != settings.model.method:
         raise ConfigError(f"checkpoint {Path(folder).name} was trained with model.method={method} but the config "
                           f"says {settings.model.method}; use the config it was trained with, or a new S3_OUTPUT_URI")
-    step = meta.get("step")
-    if isinstance(step, int) and step > settings.train.max_steps:
-        raise ConfigError(f"checkpoint {Path(folder).name} is past train.max_steps ({settings.train.max_steps}); "
-                          f"raise train.max_steps, or use a new S3_OUTPUT_URI")
 
 
 def run(settings: Settings, args: argparse.Namespace, world_size: int, texts: tuple) -> int:
@@ -407,7 +425,7 @@ def check_libraries(settings: Settings) -> None:
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
         raise ConfigError(f"{', '.join(missing)} not installed; add them to the code's requirements.txt "
-                          f"(transformers==5.23.0 accelerate==1.15.0 peft==0.21.2) or to the image")
+                          f"(the pod installs versions in job/constraints.txt's range) or to the image")
 
 
 def main(argv: list[str] | None = None) -> int:

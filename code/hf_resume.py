@@ -7,7 +7,7 @@ The change to an existing Trainer script (after `trainer = Trainer(...)`):
     trainer.train(resume_from_checkpoint=resume.checkpoint())   # newest committed one, or None
     sys.exit(resume.exit_code())                                # 143 after SIGTERM, 130 after SIGINT
 
-What it does, with transformers' own callback API only:
+What it does, with transformers' own callback API (and trainer.train wrapped for one case):
 
 - After each save the Trainer's `checkpoint-N/` becomes `OUTPUT_DIR/checkpoints/step-N/`, committed
   with checkpoint.py's protocol (files fsynced, `manifest.json` with every file's size and sha256
@@ -28,14 +28,16 @@ What it does, with transformers' own callback API only:
   commit), lets ranks disagree about the step and ignores SIGINT; it is switched off here.
 - Each step touches `$HEALTH_FILE`; `OUTPUT_DIR/progress.json` (what the pod reports) and TensorBoard
   events under `OUTPUT_DIR/tensorboard` (what the pod uploads) are written on rank 0.
+- A restored checkpoint at (or past) the last step is a finished run: trainer.train() returns
+  before its first step (the Trainer would train one past the last), nothing is trained or saved.
 - Rank 0 prints the trainer's events (job/contract.py: resumed, step, checkpoint, stopped, done), as
   train.py does: what tools wait on, beside the lines people read.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
 import math
 import os
 import shutil
@@ -47,6 +49,8 @@ from pathlib import Path
 
 import checkpoint
 import contract
+import trainer_kit
+from trainer_kit import event
 
 try:
     from transformers import TrainerCallback
@@ -58,19 +62,15 @@ TRAINER_PREFIX = "checkpoint-"  # transformers' PREFIX_CHECKPOINT_DIR
 _CHUNK = 8 << 20
 
 
-def log(message: str) -> None:
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    print(f"{stamp} hf_resume: {message}", flush=True)
+log = trainer_kit.logger("hf_resume")
 
 
-def event(kind: str, **fields) -> None:
-    """One of the trainer's events (job/contract.py); the same source as train.py's: tools need not
-    know which trainer runs."""
-    contract.event(kind, contract.TRAINER_SOURCE, **fields)
+class _RunDone(Exception):
+    """The restored step is the last: raised before the first step, so trainer.train() trains nothing."""
 
-
-def _finite(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
+    def __init__(self, step: int, loss: float | None):
+        super().__init__(f"step {step} is the last")
+        self.step, self.loss = step, loss
 
 
 class CheckpointLayoutError(Exception):
@@ -176,15 +176,6 @@ class _Dist:
         if self.on:
             self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
 
-    def max(self, value: int) -> int:
-        if not self.on:
-            return value
-        import torch
-
-        flag = torch.tensor([value])
-        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item())
-
     def barrier(self) -> None:
         if self.on:
             self.dist.barrier(group=self.group)
@@ -195,6 +186,31 @@ class _Dist:
         box = [value]
         self.dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    def gather(self, value) -> list:
+        """Every rank's value, on rank 0 (the others get [])."""
+        if not self.on:
+            return [value]
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        self.dist.gather_object(value, gathered, dst=0, group=self.group)
+        return gathered or []
+
+    def count(self, flag: bool) -> int:
+        """How many ranks say True, on every rank."""
+        if not self.on:
+            return int(flag)
+        import torch
+
+        total = torch.tensor([int(flag)])
+        self.dist.all_reduce(total, op=self.dist.ReduceOp.SUM, group=self.group)
+        return int(total.item())
+
+
+def leave(message: str, code: int, rank: int) -> None:
+    """End the process with CODE (one line on rank 0, torchrun's error file with the message), as
+    train.py does for what the pod's contract gives a code: no traceback, no interpreter teardown."""
+    trainer_kit.report_failure(message, rank, code)
+    main_exit(code)
 
 
 class CommitCallback(TrainerCallback):
@@ -209,36 +225,36 @@ class CommitCallback(TrainerCallback):
         self.dist = dist or _Dist()
         self.master = self.dist.rank == 0
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.health = Path(health_file) if health_file and local_rank == 0 else None
-        self.signum = 0  # a signal this process received
+        # A node of a group but node 0 (torchrun's GROUP_RANK): its Trainer saves its ranks' RNG
+        # files on its own disk, which no one uploads; rank 0 gathers them into the commit.
+        self.other_node_saver = os.environ.get("GROUP_RANK", "0") != "0" and local_rank == 0
+        self.heartbeat = trainer_kit.Heartbeat(health_file if local_rank == 0 else None, every=1.0)
+        self.stop = trainer_kit.StopSignal()
         self.stopped_by = 0  # the signal all processes agreed to stop for
         self.start_step = 0
+        self.trained = False  # a step finished in this process
         self.train_loss = None
         self.val_loss = None
         self.best_val_loss = None
         self.best_step = 0
         self.writer = None
         self.last_log = None
-        self.last_beat = float("-inf")
+        self.speed: dict = {}
         self.tokens_per_step = tokens_per_step  # for tokens_per_s in the step event; None: unknown
         self.resuming_from: str | None = None  # what Resume.checkpoint() chose
         self.resume_started = time.monotonic()  # the load is timed from that choice to the first step
         self.save_requested: float | None = None
 
-    # signals
-
     def install_signal_handlers(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._request_stop)
-
-    def _request_stop(self, signum, frame) -> None:
-        self.signum = self.signum or signum
+        self.stop.install()
 
     # events
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start_step = state.global_step
         self.beat()
+        if 0 < state.max_steps <= state.global_step:
+            self._finish_without_training(state)
         if self.master:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -250,12 +266,27 @@ class CommitCallback(TrainerCallback):
                   seconds=round(time.monotonic() - self.resume_started, 3))
         self.last_log = (time.monotonic(), state.global_step)
 
+    def _finish_without_training(self, state) -> None:
+        """A run whose restored checkpoint is at (or past) the last step is done: the Trainer's loop
+        would train a step past it before it looks at should_training_stop, so it is left here."""
+        if self.master:
+            log(f"{self.resuming_from or 'the checkpoint'} is at step {state.global_step} of {state.max_steps}: "
+                f"the run is done, nothing to train")
+            self.write_progress(state)
+            event("resumed", step=state.global_step, name=self.resuming_from,
+                  seconds=round(time.monotonic() - self.resume_started, 3))
+            event("done", step=state.global_step)
+        raise _RunDone(state.global_step, self.train_loss)
+
     def on_step_end(self, args, state, control, **kwargs):
+        self.trained = True
         self.beat()
         # A collective each step, on every rank, so all stop after the same step.
-        agreed = self.dist.max(self.signum)
+        agreed = self.stop.agreed(self.dist.group)
         if agreed and not self.stopped_by:
             self.stopped_by = agreed
+            # For torchrun's error file: a node that got no signal itself (a peer did) exits 128+N too.
+            trainer_kit.record_exit(128 + agreed, f"stopped after {signal.Signals(agreed).name} (the step is committed)")
             if self.master:
                 log(f"{signal.Signals(agreed).name}: step {state.global_step} finished; "
                     f"committing a checkpoint of it before exit")
@@ -287,8 +318,11 @@ class CommitCallback(TrainerCallback):
         final = self.root / checkpoint.step_dir_name(state.global_step)
         if state.best_model_checkpoint and Path(state.best_model_checkpoint) == source:
             state.best_model_checkpoint = str(final)  # load_best_model_at_end finds it there (until pruned)
-        # Every rank wrote its part (rng_state_<rank>.pth) before rank 0 moves the folder.
-        self.dist.barrier()
+        # Every rank wrote its part (rng_state_<rank>.pth); rank 0 gathers those of other nodes.
+        self._gather_rng_files(source)
+        self.dist.barrier()  # every rank read its file before another node's folder goes
+        if self.other_node_saver:
+            _remove_tree(source)
         if self.master:
             started = time.monotonic()
             requested = self.save_requested or started
@@ -308,6 +342,18 @@ class CommitCallback(TrainerCallback):
         self.beat()
         return control
 
+    def _gather_rng_files(self, source: Path) -> None:
+        """Every rank's RNG state file into rank 0's folder before it commits: the checkpoint holds
+        the whole group's, so every node resumes each rank's dropout draws exactly."""
+        if not self.dist.on:
+            return
+        name = f"rng_state_{self.dist.rank}.pth"
+        mine = (source / name).read_bytes() if (source / name).is_file() else None
+        for rank, data in enumerate(self.dist.gather(mine)):
+            path = source / f"rng_state_{rank}.pth"
+            if data is not None and not path.exists():  # a rank of node 0 wrote its own here
+                path.write_bytes(data)
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not self.master or not logs:
             return control
@@ -326,7 +372,7 @@ class CommitCallback(TrainerCallback):
                 + f" | {ms_per_step:.1f} ms/step")
             known = self.tokens_per_step and ms_per_step > 0
             tokens_per_s = self.tokens_per_step * 1000 / ms_per_step if known else None
-            event("step", step=step, max_steps=state.max_steps, loss=_finite(self.train_loss),
+            event("step", step=step, max_steps=state.max_steps, loss=trainer_kit.finite(self.train_loss),
                   ms_per_step=ms_per_step, tokens_per_s=tokens_per_s)
         if "eval_loss" in logs:
             self._saw_val_loss(float(logs["eval_loss"]), step)
@@ -368,10 +414,15 @@ class CommitCallback(TrainerCallback):
         self.best_step = meta.get("best_step") if isinstance(meta.get("best_step"), int) else 0
 
     def beat(self) -> None:
-        now = time.monotonic()
-        if self.health and now - self.last_beat >= 1.0:
-            self.health.touch()
-            self.last_beat = now
+        self.heartbeat.beat()
+
+    def leave_if_peer_lost(self, err: Exception) -> None:
+        """A collective failed because a peer (another node) is gone: exit 138 once this process
+        trained a step (the Job restarts the group uncounted), else 75; anything else is not ours."""
+        code = trainer_kit.group_failure_code(err, self.trained) if self.dist.on else None
+        if code is not None:
+            what = "a peer of the group went away" if self.trained else "the group failed before its first step"
+            leave(f"{what} (rank {self.dist.rank}: {str(err).splitlines()[0][:200]})", code, self.dist.rank)
 
     def meta(self, state) -> dict:
         return {"step": state.global_step, "max_steps": state.max_steps, "keep": self.keep,
@@ -380,16 +431,9 @@ class CommitCallback(TrainerCallback):
                 "world_size": self.dist.world_size, "trainer": "transformers", **self.extra_meta}
 
     def write_progress(self, state) -> None:
-        progress = {"step": state.global_step, "start_step": self.start_step, "max_steps": state.max_steps,
-                    "train_loss": self.train_loss, "val_loss": self.val_loss,
-                    "best_val_loss": self.best_val_loss, "best_step": self.best_step,
-                    "updated_at": time.time()}
-        progress.update(getattr(self, "speed", {}))
-        self.out.mkdir(parents=True, exist_ok=True)
-        path = self.out / "progress.json"
-        temp = path.with_suffix(".json.tmp")
-        temp.write_text(json.dumps(progress))
-        os.replace(temp, path)
+        trainer_kit.write_progress(self.out, step=state.global_step, start_step=self.start_step,
+                                   max_steps=state.max_steps, train_loss=self.train_loss, val_loss=self.val_loss,
+                                   best_val_loss=self.best_val_loss, best_step=self.best_step, speed=self.speed)
 
 
 # -- the one-call API -----------------------------------------------------------------------------
@@ -409,7 +453,17 @@ class Resume:
             name = folder.name if folder else None
             log(f"resuming from {name}" if name else "no committed checkpoint: starting from step 0")
             self.callback.resuming_from, self.callback.resume_started = name, time.monotonic()
-        name = self.callback.dist.broadcast(name)
+        try:
+            name = self.callback.dist.broadcast(name)
+            # In a group each node restored node 0's choice from S3; one with another (a newer step
+            # landed between two nodes' restores) must not load different weights: the group restarts.
+            missing = self.callback.dist.count(name is not None and not checkpoint.is_committed(self.callback.root / name))
+        except Exception as err:
+            self.callback.leave_if_peer_lost(err)
+            raise
+        if missing:
+            leave(f"{missing} process(es) have no committed {name}, which rank 0 resumes from; the group restarts "
+                  f"and every node restores it again", contract.EXIT_UNAVAILABLE, self.callback.dist.rank)
         if name is None:
             return None
         self.callback.restore_report((checkpoint.read_manifest(self.callback.root / name) or {}).get("meta", {}))
@@ -436,9 +490,42 @@ def attach(trainer, keep: int | None = None, output_dir: str | None = None, meta
         keep = args.save_total_limit or 3
     callback = CommitCallback(output_dir or args.output_dir, keep=keep,
                               health_file=os.environ.get("HEALTH_FILE"), meta=meta, tokens_per_step=tokens_per_step)
+    problem = trainer_kit.writer_not_on_node0(callback.dist.rank)
+    if problem:
+        leave(problem, contract.EXIT_BAD_INPUT, callback.dist.rank)
+    _plain_cpu_device(args)
     callback.install_signal_handlers()
     trainer.add_callback(callback)
+    trainer.train = _train_unless_done(trainer.train, callback)
     return Resume(trainer, callback)
+
+
+def _plain_cpu_device(args) -> None:
+    """A process of a multi-process CPU run has device cpu:<index> (accelerate); transformers 4.57
+    resumes its optimizer with torch.load(map_location=that device), which torch refuses ("don't know
+    how to restore data location ... (tagged with cpu:0)"). `cpu` is the same device."""
+    device = getattr(args, "device", None)
+    if device is not None and device.type == "cpu" and device.index is not None:
+        import torch
+
+        args.__dict__["_setup_devices"] = torch.device("cpu")  # the cached value `device` returns
+
+
+def _train_unless_done(train, callback: CommitCallback):
+    """trainer.train, returning at once when the callback found the run done before its first
+    step, and ending the process with the group's code when a peer went away."""
+    @functools.wraps(train)
+    def train_unless_done(*args, **kwargs):
+        try:
+            return train(*args, **kwargs)
+        except _RunDone as done:
+            from transformers.trainer_utils import TrainOutput
+
+            return TrainOutput(done.step, done.loss if done.loss is not None else float("nan"), {})
+        except Exception as err:
+            callback.leave_if_peer_lost(err)
+            raise
+    return train_unless_done
 
 
 def main_exit(code: int) -> None:

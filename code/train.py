@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import errno
 import hashlib
-import json
 import math
 import os
 import re
@@ -45,11 +44,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import config
-import contract
+import trainer_kit
 from async_save import (AsyncSaver, NoSpace, SaveFailed, folder_bytes, folder_mb, link_best, snapshot_bytes,
                         write_step)
 from config import Config, ConfigError
 from model import GPT
+from trainer_kit import event
 
 EXIT_BAD_INPUT = config.EXIT_BAD_INPUT
 # torch.load(weights_only=True) runs code from a crafted file before 2.6 (CVE-2025-32434), and a
@@ -66,14 +66,7 @@ PEAK_BF16_TFLOPS = (
 )
 
 
-def log(message: str) -> None:
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    print(f"{stamp} train: {message}", flush=True)
-
-
-def event(kind: str, **fields) -> None:
-    """One of the trainer's events (job/contract.py): what tools read; log() is for people. Rank 0 only."""
-    contract.event(kind, contract.TRAINER_SOURCE, **fields)
+log = trainer_kit.logger("train")
 
 
 def report_checkpoint(final: Path, nbytes: int, seconds: float, blocked_seconds: float) -> None:
@@ -121,14 +114,10 @@ class Runtime:
                 self.cpu_group = dist.new_group(backend="gloo")
 
     def check_writer_on_node0(self) -> None:
-        """Rank 0 writes the checkpoints, and in a group of pods only node 0 uploads them (job/script.sh:
-        NODE_RANK; torchrun: GROUP_RANK, this node's place in its rendezvous). Were they different
-        nodes, every checkpoint would stay on a disk nobody uploads."""
-        node, group = os.environ.get("NODE_RANK"), os.environ.get("GROUP_RANK")
-        if self.rank == 0 and node not in (None, "0") and group == "0":
-            raise ConfigError(f"global rank 0 (the checkpoint writer) runs on node {node}, not on node 0, "
-                              f"which uploads; the pods' names must sort with node 0 first "
-                              f"(<run>-0, <run>-1, ...: scripts/submit.py names them so)")
+        """Rank 0, the writer, on node 0, the uploader (trainer_kit.writer_not_on_node0)."""
+        problem = trainer_kit.writer_not_on_node0(self.rank)
+        if problem:
+            raise ConfigError(problem)
 
     def stop(self) -> None:
         if self.ddp and dist.is_initialized():
@@ -204,41 +193,6 @@ class GroupMismatch(Exception):
     """The processes of a group would resume from different checkpoints."""
 
 
-class StopSignal:
-    """SIGTERM/SIGINT ask for a stop at the next step boundary; all processes agree on it."""
-
-    def __init__(self):
-        self.signum = 0
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._request)
-
-    def _request(self, signum, frame) -> None:
-        self.signum = self.signum or signum
-
-    def agreed(self, rt: Runtime) -> int:
-        """The signal number if any process got one, else 0. A collective: every rank calls it."""
-        if not rt.ddp:
-            return self.signum
-        flag = torch.tensor([self.signum])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=rt.cpu_group)
-        return int(flag.item())
-
-
-class Heartbeat:
-    """Touches $HEALTH_FILE as work completes; a hung step lets it go stale for the liveness probe."""
-
-    def __init__(self, path: str | None, every: float = 2.0):
-        self.path = Path(path) if path else None
-        self.every = every
-        self.last = 0.0
-
-    def beat(self) -> None:
-        now = time.monotonic()
-        if self.path and now - self.last >= self.every:
-            self.path.touch()
-            self.last = now
-
-
 def read_tensors(path: Path, device: torch.device):
     """A checkpoint file through a memory map: its tensors are read once, as they are copied where
     they go. Without the map torch.load first copied everything into fresh memory: a 124M resume
@@ -298,8 +252,8 @@ class Trainer:
         self.cfg, self.args, self.rt = cfg, args, rt
         self.out = Path(args.output_dir)
         self.ckpt_root = self.out / "checkpoints"
-        self.heartbeat = Heartbeat(os.environ.get("HEALTH_FILE") if rt.local_rank == 0 else None)
-        self.stop = StopSignal()
+        self.heartbeat = trainer_kit.Heartbeat(os.environ.get("HEALTH_FILE") if rt.local_rank == 0 else None)
+        self.stop = trainer_kit.StopSignal().install()
         self.batches = Batches(args.data_dir, cfg, rt.device)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if rt.device.type == "cuda" and cfg.system.dtype == "bfloat16"
@@ -390,15 +344,15 @@ class Trainer:
         state = load_optimizer_state(self.optimizer, folder / "state.pt")
         restore_rng(state["rng"], self.rt)
         self.step = state["step"]
-        if self.step > self.cfg.train.max_steps:
-            raise ConfigError(f"checkpoint {folder.name} is past train.max_steps ({self.cfg.train.max_steps}); "
-                              f"raise train.max_steps, or use a new S3_OUTPUT_URI")
         self.best_val_loss = state["best_val_loss"]
         self.best_step = state["best_step"]
         self.val_loss = state.get("val_loss")
         self.train_loss = state.get("train_loss")
         if self.rt.master:
             log(f"resumed from {folder.name} (step {self.step}) in {time.monotonic() - started:.1f}s")
+            if self.step >= self.cfg.train.max_steps:
+                log(f"step {self.step} is at or past train.max_steps ({self.cfg.train.max_steps}): the run is done, "
+                    f"nothing to train")
             event("resumed", step=self.step, name=folder.name, seconds=round(time.monotonic() - started, 3),
                   hashed_by=self.hashed_by)
             if self.best_step == self.step:
@@ -480,7 +434,7 @@ class Trainer:
     def _meta(self) -> dict:
         return {"step": self.step, "max_steps": self.cfg.train.max_steps, "keep": self.cfg.checkpoint.keep,
                 "train_loss": self.train_loss, "val_loss": self.val_loss,
-                "best_val_loss": _finite(self.best_val_loss), "best_step": self.best_step,
+                "best_val_loss": trainer_kit.finite(self.best_val_loss), "best_step": self.best_step,
                 "model": self.cfg.to_dict()["model"], "world_size": self.rt.world_size}
 
     # -- training ------------------------------------------------------------------------------
@@ -512,7 +466,7 @@ class Trainer:
                 self._evaluate_and_save(model)
                 self.check_saves()
                 meter.since += time.monotonic() - paused  # speed is of training steps alone
-                signum = self.stop.agreed(self.rt)
+                signum = self.stop.agreed(self.rt.cpu_group)
                 if signum:
                     return self._stop_for(signum)
             self._finish()
@@ -627,15 +581,10 @@ class Trainer:
             f"steps {start_step + 1}..{cfg.train.max_steps}")
 
     def _write_progress(self) -> None:
-        progress = {"step": self.step, "start_step": self.start_step, "max_steps": self.cfg.train.max_steps,
-                    "train_loss": self.train_loss, "val_loss": self.val_loss,
-                    "best_val_loss": _finite(self.best_val_loss), "best_step": self.best_step,
-                    "updated_at": time.time()}
-        progress.update(self.speed)
-        path = self.out / "progress.json"
-        temp = path.with_suffix(".json.tmp")
-        temp.write_text(json.dumps(progress))
-        os.replace(temp, path)
+        trainer_kit.write_progress(self.out, step=self.step, start_step=self.start_step,
+                                   max_steps=self.cfg.train.max_steps, train_loss=self.train_loss,
+                                   val_loss=self.val_loss, best_val_loss=self.best_val_loss,
+                                   best_step=self.best_step, speed=self.speed)
 
 
 class Meter:
@@ -674,7 +623,7 @@ class Meter:
             speed["mfu"] = mfu
             self.t.writer.add_scalar("mfu", mfu, step)
         log(f"{line} | eta {_duration(eta)}")
-        event("step", step=step, max_steps=self.t.cfg.train.max_steps, loss=_finite(loss_value),
+        event("step", step=step, max_steps=self.t.cfg.train.max_steps, loss=trainer_kit.finite(loss_value),
               ms_per_step=ms_per_step, tokens_per_s=tokens_per_sec,
               **({"mfu": speed["mfu"]} if "mfu" in speed else {}))
         self.t.speed = speed
@@ -700,10 +649,6 @@ def peak_flops(device: torch.device, override_tflops: float, dtype: str = "bfloa
 
 def _show(value: float | None) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.4f}"
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
 
 
 def _duration(seconds: float) -> str:

@@ -1,8 +1,12 @@
 """Exit 0 when this Python already satisfies every requirement in the given files, else 1 and a
 list of what is missing; 64 for a file that is not a requirements file.
 
-    python3 requirements_met.py code/requirements.txt job/requirements.txt
+    python3 requirements_met.py [--constraints job/constraints.txt] code/requirements.txt job/requirements.txt
+    python3 requirements_met.py --outside job/constraints.txt   "RANGE VERSION" for each one the Python breaks
     python3 requirements_met.py --runtime    "Python 3.x.y, torch 2.z"; exit 64 and one line for a torch before 2.6
+
+A constraint (pip's -c) asks for nothing: it is unmet only when its package is installed outside its
+range. A requirement that pins a version outside a constraint's range is bad input (exit 64).
 
 It reads installed metadata only (no pip, no network): the check costs milliseconds, so a pod
 whose image has everything installs nothing.
@@ -25,25 +29,78 @@ except ImportError:  # pip vendors packaging; an image with pip has it
 SAFE_TORCH = Version("2.6.0")
 
 
-def unmet(paths: list[str]) -> list[str]:
+def unmet(paths: list[str], constraints: list[Requirement] = ()) -> list[str]:
     missing = []
     for path in paths:
-        with open(path) as file:
-            for number, raw in enumerate(file, 1):
-                line = raw.split("#", 1)[0].strip()
-                if not line:
-                    continue
-                if line.startswith("-"):
-                    missing.append(f"{line} (a pip option: pip decides)")
-                    continue
-                try:
-                    requirement = Requirement(line)
-                except InvalidRequirement as err:
-                    raise ValueError(f"{path} line {number}: {err}; fix the requirement") from None
-                problem = check(requirement)
-                if problem:
-                    missing.append(problem)
-    return missing
+        for line, requirement in read(path):
+            if requirement is None:
+                missing.append(f"{line} (a pip option: pip decides)")
+                continue
+            conflict = pinned_outside(requirement, constraints, path)
+            if conflict:
+                raise ValueError(conflict)
+            problem = check(requirement)
+            if problem:
+                missing.append(problem)
+    return missing + [f"{c.name} {have} (outside {c}, {SUPPORTED})" for c, have in outside(constraints)]
+
+
+SUPPORTED = "the range the Hugging Face trainers are tested with"
+
+
+def read(path: str) -> list[tuple[str, Requirement | None]]:
+    """Each requirement line and its parse (None for a pip option such as -r or --index-url)."""
+    lines = []
+    with open(path) as file:
+        for number, raw in enumerate(file, 1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            if line.startswith("-"):
+                lines.append((line, None))
+                continue
+            try:
+                lines.append((line, Requirement(line)))
+            except InvalidRequirement as err:
+                raise ValueError(f"{path} line {number}: {err}; fix the requirement") from None
+    return lines
+
+
+def read_constraints(path: str) -> list[Requirement]:
+    constraints = [requirement for _, requirement in read(path)]
+    if None in constraints:
+        raise ValueError(f"{path} holds a pip option; a constraints file names packages and ranges only")
+    return constraints
+
+
+def outside(constraints: list[Requirement]) -> list[tuple[Requirement, str]]:
+    """The constraints whose package is installed at a version outside the range, with that version."""
+    found = []
+    for constraint in constraints:
+        try:
+            version = metadata.version(constraint.name)
+        except metadata.PackageNotFoundError:
+            continue
+        if not constraint.specifier.contains(version, prereleases=True):
+            found.append((constraint, version))
+    return found
+
+
+def pinned_outside(requirement: Requirement, constraints: list[Requirement], path: str) -> str | None:
+    """The one line for a requirement that pins (==) a version outside a constraint's range."""
+    pins = [s.version for s in requirement.specifier if s.operator in ("==", "===") and "*" not in s.version]
+    for constraint in constraints:
+        if _canonical(constraint.name) != _canonical(requirement.name):
+            continue
+        for pin in pins:
+            if not constraint.specifier.contains(pin, prereleases=True):
+                return (f"{path} asks for {requirement}, outside {constraint} ({SUPPORTED}); "
+                        f"ask for a version in that range")
+    return None
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
 
 
 def check(requirement: Requirement) -> str | None:
@@ -89,7 +146,13 @@ def main(paths: list[str]) -> int:
     if paths == ["--runtime"]:
         return runtime()
     try:
-        missing = unmet(paths)
+        if len(paths) == 2 and paths[0] == "--outside":
+            print("".join(f"{c} {have}\n" for c, have in outside(read_constraints(paths[1]))), end="")
+            return 0
+        constraints = []
+        if paths[:1] == ["--constraints"] and len(paths) >= 2:
+            constraints, paths = read_constraints(paths[1]), paths[2:]
+        missing = unmet(paths, constraints)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 64

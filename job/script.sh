@@ -613,6 +613,9 @@ sync_model() {
 setup_python() {
   local requirements=("${JOB_DIR}/requirements.txt")
   [[ ! -f "${CODE_DIR}/requirements.txt" ]] || requirements+=("${CODE_DIR}/requirements.txt")
+  # Any trainer but train.py may use Hugging Face's libraries: the image's must be in the range
+  # hf_resume.py is tested with (constraints.txt), or the venv gets one that is.
+  [[ "${TRAIN_SCRIPT}" == train.py ]] || requirements=(--constraints "${JOB_DIR}/constraints.txt" "${requirements[@]}")
   run_child bash "${JOB_DIR}/python_env.sh" "${WORK_DIR}" "${STATE_DIR}/python" "${requirements[@]}"
   PYTHON=$(cat "${STATE_DIR}/python")
   # Installed metadata, not `import torch`: a second of every restart otherwise. A torch before 2.6

@@ -524,7 +524,8 @@ def step_to_complete(progress: dict, newest_local: int | None) -> tuple[int | No
     (a trainer of one's own need not write progress.json)."""
     step, last = progress.get("step"), progress.get("max_steps")
     if _is_int(step) and _is_int(last):
-        return (last, "") if step == last else (None, f"the trainer reported step {step} of {last}")
+        # Past the last step: a run restored from a checkpoint beyond a lowered max_steps is done.
+        return (step, "") if step >= last else (None, f"the trainer reported step {step} of {last}")
     if newest_local is None:
         return None, "the trainer committed no checkpoint"
     return newest_local, ""

@@ -118,6 +118,16 @@ def unknown_vocabulary(lab: Lab, tmp_path: Path) -> dict:
     return {"S3_DATA_URI": f"s3://{BUCKET}/big-vocab/"}
 
 
+def token_id_past_the_vocabulary(lab: Lab, tmp_path: Path) -> dict:
+    import numpy as np
+
+    train = np.frombuffer(lab.s3.get_object(Bucket=BUCKET, Key="data/train.bin")["Body"].read(), dtype="<u2").copy()
+    train[len(train) // 2] = 300  # the tiny model has 256 embeddings
+    lab.put("wide-ids/train.bin", train.tobytes())
+    lab.s3.copy_object(Bucket=BUCKET, Key="wide-ids/val.bin", CopySource={"Bucket": BUCKET, "Key": "data/val.bin"})
+    return {"S3_DATA_URI": f"s3://{BUCKET}/wide-ids/"}
+
+
 def bad_requirements(lab: Lab, tmp_path: Path) -> dict:
     uri = lab.code_copy("code-badreq/", **{"requirements.txt": b"no-such-package-anywhere==9.9\n"})
     return {"S3_CODE_URI": uri, "PIP_NO_INDEX": "1"}
@@ -125,7 +135,7 @@ def bad_requirements(lab: Lab, tmp_path: Path) -> dict:
 
 def no_checkpoint_module(lab: Lab, tmp_path: Path) -> dict:
     uri = lab.code_copy("code-nockpt/")
-    for name in ("checkpoint.py", "contract.py"):  # code/'s links to job/: the runtime brings both
+    for name in ("checkpoint.py", "contract.py", "trainer_kit.py"):  # code/'s links to job/: the runtime brings them
         lab.s3.delete_object(Bucket=BUCKET, Key=f"code-nockpt/{name}")
     return {"S3_CODE_URI": uri}
 
@@ -199,6 +209,8 @@ CASES = [
     # Split as a shell would: the second line reaches the trainer, the quoted value stays whole.
     Case("TRAIN_ARGS over two lines, quoted", 64, "train.max_steps must be an integer, got 'two words'",
          {"TRAIN_ARGS": "--set train.seed=1\n--set 'train.max_steps=two words'"}),
+    Case("a token id past model.vocab_size", 64, "/train.bin holds token id 300 (token ",
+         prepare=token_id_past_the_vocabulary),
     Case("requirements that fail to install", 64, "the code's requirements cannot be installed", prepare=bad_requirements),
     Case("no credentials", 64, "no AWS credentials; create the Secret aws-credentials",
          {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_EC2_METADATA_DISABLED": "true"}),
@@ -211,7 +223,7 @@ CASES = [
     Case("manifest naming a missing file", 0, "in S3 is damaged (extra.pt is named in the manifest but missing)",
          prepare=manifest_names_missing_file),
     # The protocol ships with the runtime: a trainer that brings none imports the runtime's copy.
-    Case("code without checkpoint.py and contract.py", 0, "COMPLETE: {", prepare=no_checkpoint_module),
+    Case("code without checkpoint.py, contract.py, trainer_kit.py", 0, "COMPLETE: {", prepare=no_checkpoint_module),
     Case("manifest that is not JSON", 0, "in S3 is damaged (its manifest.json is not JSON)", prepare=broken_manifest),
 ]
 

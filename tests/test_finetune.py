@@ -161,6 +161,24 @@ def test_sigterm_commits_the_current_step_exits_143_and_no_step_is_redone(tmp_pa
         assert sha256(final_weights(out, "lora")) == sha256(final_weights(reference_lora, "lora"))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("max_steps", [MAX_STEPS, MAX_STEPS - INTERVAL], ids=["at-the-last-step", "past-it"])
+def test_a_restart_from_the_last_step_or_past_it_trains_nothing_and_exits_0(tmp_path, lab, reference_lora,
+                                                                           max_steps):
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(reference_lora, out)
+    before = {p.relative_to(out): p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")}
+    code, output = run_until(command(lab, out, extra=("--set", f"train.max_steps={max_steps}")))
+    assert code == 0, output
+    assert not events_of(output, "step") and not events_of(output, "checkpoint"), output
+    assert [e["step"] for e in events_of(output, "done")] == [MAX_STEPS]
+    assert {p.relative_to(out): p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")} == before
+    progress = json.loads((out / "progress.json").read_text())
+    assert (progress["step"], progress["max_steps"]) == (MAX_STEPS, max_steps)
+
+
 # -- torn saves -------------------------------------------------------------------------------------
 
 CRASH_IN_SAVE = """

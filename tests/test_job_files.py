@@ -148,7 +148,7 @@ def test_no_script_traces_commands():
         assert not re.search(r"^\s*set\s+-[a-z]*x|set -o xtrace|bash -x", text, re.M), name
 
 
-@pytest.mark.parametrize("name", ["checkpoint.py", "contract.py"])
+@pytest.mark.parametrize("name", ["checkpoint.py", "contract.py", "trainer_kit.py"])
 def test_stage_uploads_the_runtime_modules_code_links_as_their_files(s3, name):
     # code/checkpoint.py and code/contract.py are links to job/'s: a trainer synced from S3 without
     # job/ imports them, so they must arrive as files, not as links or not at all.
@@ -183,7 +183,7 @@ def fake_wheel(folder: Path, name: str = "tinydep", version: str = "1.0") -> Pat
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}-{version}-py3-none-any.whl"
     info = f"{name}-{version}.dist-info"
-    files = {f"{name}/__init__.py": "VALUE = 42\n",
+    files = {f"{name}/__init__.py": f"VALUE = 42\nVERSION = {version!r}\n",
              f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
              f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     record = []
@@ -239,3 +239,65 @@ def test_requirements_that_cannot_install_exit_64_with_one_line(tmp_path):
     errors = [l for l in result.stderr.splitlines() if "error:" in l]
     assert len(errors) == 1 and "cannot be installed" in errors[0] and "fix requirements.txt" in errors[0]
     assert not list((tmp_path / "work").glob(".venv-*")), "a failed venv is not left to be reused"
+
+
+def fake_image(folder: Path, wheels: Path, *installed: str) -> dict:
+    """An image whose python3 sees this venv's packages (pip, torch) and has `installed` of its own;
+    returns the environment that puts it first on PATH."""
+    subprocess.run([str(VENV_BIN / "python"), "-m", "venv", "--without-pip", str(folder)], check=True)
+    site = subprocess.run([str(folder / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    base = subprocess.run([str(VENV_BIN / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "_base.pth").write_text(base + "\n")
+    subprocess.run([str(folder / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-index", "--find-links",
+                    str(wheels), *installed], check=True)
+    return {"PATH": f"{folder / 'bin'}{os.pathsep}{tool_env()['PATH']}", "PIP_NO_INDEX": "1",
+            "PIP_FIND_LINKS": str(wheels)}
+
+
+@pytest.fixture
+def image_with_tinydep_1(tmp_path):
+    wheels = tmp_path / "wheels"
+    for version in ("1.0", "2.5", "3.0"):
+        fake_wheel(wheels, version=version)
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text("tinydep>=2,<3  # the tested range\n")
+    return fake_image(tmp_path / "image", wheels, "tinydep==1.0"), constraints
+
+
+def test_a_package_the_image_has_outside_the_supported_range_gets_one_inside_it_in_the_venv(tmp_path,
+                                                                                         image_with_tinydep_1):
+    env, constraints = image_with_tinydep_1
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("torch>=2.4\n")
+    result = python_env(tmp_path / "work", "--constraints", constraints, requirements, **env)
+    assert result.returncode == 0, result.stderr
+    assert "tinydep 1.0 (outside tinydep<3,>=2" in result.stderr
+    assert "for tinydep 1.0 (supported: <3,>=2) in the image" in result.stderr
+    python = result.stdout.strip()
+    check = subprocess.run([python, "-c", "from importlib import metadata; import torch; print(metadata.version('tinydep'))"],
+                           capture_output=True, text=True)
+    assert check.stdout.strip() == "2.5", check.stderr  # the newest in range, not 3.0
+    plain = python_env(tmp_path / "plain", requirements, **env)  # without constraints: train.py's pod
+    assert plain.returncode == 0 and "nothing to install" in plain.stderr, plain.stderr
+
+
+def test_no_version_in_the_supported_range_to_be_had_exits_64_naming_the_one_found(tmp_path, image_with_tinydep_1):
+    env, constraints = image_with_tinydep_1
+    constraints.write_text("tinydep>=4\n")
+    result = python_env(tmp_path / "work", "--constraints", constraints, ROOT / "job" / "requirements.txt", **env)
+    assert result.returncode == 64, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "the image has tinydep 1.0 (supported: >=4)" in errors[0], result.stderr
+    assert not list((tmp_path / "work").glob(".venv-*"))
+
+
+def test_a_requirement_pinned_outside_the_supported_range_exits_64_before_pip(tmp_path, image_with_tinydep_1):
+    env, constraints = image_with_tinydep_1
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("tinydep==3.0\n")
+    result = python_env(tmp_path / "work", "--constraints", constraints, requirements, **env)
+    assert result.returncode == 64, result.stderr
+    assert f"{requirements} asks for tinydep==3.0, outside tinydep<3,>=2" in result.stderr
+    assert not (tmp_path / "work").exists() or not list((tmp_path / "work").glob(".venv-*"))

@@ -3,6 +3,7 @@ fallbacks, what it logs, and every config error path."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -276,4 +277,17 @@ def test_restart_after_the_last_checkpoint_finishes_at_once(tmp_path, corpus, ti
     code, output = run_until(train_command(tiny_config, corpus, out))
     assert code == 0, output
     assert f"resumed from step-{MAX_STEPS:08d}" in output and f"done: step {MAX_STEPS}, train loss 3." in output
+    assert sha256(final_model(out, MAX_STEPS)) == sha256(final_model(reference, MAX_STEPS))
+
+
+def test_a_checkpoint_past_a_lowered_max_steps_is_a_finished_run(tmp_path, corpus, reference):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    lowered = write_config(tmp_path / "lowered.yaml", train__max_steps=MAX_STEPS - 10)
+    code, output = run_until(train_command(lowered, corpus, out))
+    assert code == 0, output
+    assert not events_of(output, "step") and not events_of(output, "checkpoint"), "nothing trained or saved"
+    assert [e["step"] for e in events_of(output, "done")] == [MAX_STEPS]
+    progress = json.loads((out / "progress.json").read_text())
+    assert (progress["step"], progress["max_steps"]) == (MAX_STEPS, MAX_STEPS - 10)  # what the uploader judges
     assert sha256(final_model(out, MAX_STEPS)) == sha256(final_model(reference, MAX_STEPS))

@@ -106,13 +106,29 @@ def test_a_save_with_folders_is_refused_and_leaves_nothing_committed(tmp_path):
     assert checkpoint.committed_steps(tmp_path / "checkpoints") == []
 
 
-def test_the_trainers_rotation_finds_nothing_of_ours_to_delete(tmp_path):
-    from transformers.trainer_utils import rotate_checkpoints
+def rotate_trainer_checkpoints(output_dir: Path) -> None:
+    """What the Trainer does with save_total_limit=1 after a save, in this transformers."""
+    try:
+        from transformers.trainer_utils import rotate_checkpoints  # 5.17 and later
+    except ImportError:  # a Trainer method before
+        import functools
+        from types import SimpleNamespace
 
+        from transformers import Trainer
+
+        trainer = SimpleNamespace(args=SimpleNamespace(save_total_limit=1, output_dir=str(output_dir)),
+                                  state=SimpleNamespace(best_model_checkpoint=None))
+        trainer._sorted_checkpoints = functools.partial(Trainer._sorted_checkpoints, trainer)
+        Trainer._rotate_checkpoints(trainer, use_mtime=True, output_dir=str(output_dir))
+        return
+    rotate_checkpoints(output_dir=str(output_dir), save_total_limit=1, best_model_checkpoint=None, use_mtime=True)
+
+
+def test_the_trainers_rotation_finds_nothing_of_ours_to_delete(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (5, 10, 15):
         hf_resume.commit_trainer_save(trainer_save(tmp_path, step, {"m": bytes([step])}), root, step, {})
-    rotate_checkpoints(output_dir=str(tmp_path), save_total_limit=1, best_model_checkpoint=None, use_mtime=True)
+    rotate_trainer_checkpoints(tmp_path)
     assert [s for s, _ in checkpoint.committed_steps(root)] == [15, 10, 5]
 
 

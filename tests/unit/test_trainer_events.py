@@ -35,7 +35,7 @@ def test_the_trainer_events_are_in_the_contract_and_its_table(kind, fields):
     assert len(rows) == 1 and rows[0][len(kind):].strip().startswith(fields), rows
 
 
-@pytest.mark.parametrize("name", ["checkpoint.py", "contract.py"])
+@pytest.mark.parametrize("name", ["checkpoint.py", "contract.py", "trainer_kit.py"])
 def test_code_links_the_runtime_modules_it_imports(name):
     # code/ runs alone (torchrun on code/train.py; a user's code synced from S3 without job/):
     # the link is what `aws s3 sync` and stage.sh follow, so the file itself travels with code/.
@@ -136,7 +136,7 @@ def hf_run(tmp_path: Path, stop_at: int | None, start: int = 0, max_steps: int =
     while state.global_step < max_steps:
         state.global_step += 1
         if state.global_step == stop_at:
-            callback.signum = signal.SIGTERM
+            callback.stop.signum = signal.SIGTERM
         control = callback.on_step_end(args, state, control)
         callback.on_log(args, state, control, logs={"loss": 1.5, "learning_rate": 1e-4})
         if control.should_save:

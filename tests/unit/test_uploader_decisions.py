@@ -53,6 +53,7 @@ def test_a_restarted_uploader_carries_on_only_this_pods_open_attempt(saved, pod,
     ({"step": 60, "max_steps": 60}, 60, 60),            # our trainer, at its last step
     ({"step": 40, "max_steps": 60}, 40, None),          # exit 0 before the last step: not complete
     ({"step": 60, "max_steps": 60}, 55, 60),            # what S3 must hold is step 60, whatever is local
+    ({"step": 70, "max_steps": 60}, 70, 70),            # restored past a lowered max_steps: done at 70
     ({}, 7, 7),                                         # a trainer that writes no progress.json
     ({"step": 3}, 7, 7),                                # one that reports no max_steps
     ({"step": "x", "max_steps": "y"}, 7, 7),            # nor usable ones

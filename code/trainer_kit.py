@@ -1,0 +1,1 @@
+../job/trainer_kit.py
