@@ -388,7 +388,7 @@ class ShardedCheckpoints:
 
     def __init__(self, rank: int, world: int, group, log: Callable[[str], None], saver=None):
         self.rank, self.world, self.group, self.log, self.saver = rank, world, group, log, saver
-        self.store = _store_address(rank, world, group)
+        self.store = _store_address(rank, world, group) if saver else None  # every rank has one, or none
 
     def save(self, final: Path, model, optimizer, train_state: dict, meta: dict, best: bool, keep: int) -> Path | None:
         """Rank 0 names a staging folder and makes it; every rank writes its shards there (or on

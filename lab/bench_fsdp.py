@@ -37,7 +37,7 @@ for folder in ("code", "job", "lab"):
         sys.path.insert(0, str(ROOT / folder))
 
 BUCKET = "test-bucket"
-QUICK_MODEL = {"n_layer": 4, "n_head": 6, "n_embd": 384, "block_size": 64, "vocab_size": 8192}
+QUICK_MODEL = {"n_layer": 2, "n_head": 4, "n_embd": 256, "block_size": 64, "vocab_size": 4096}
 FULL_MODEL = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 256, "vocab_size": 50304}  # GPT-2 124M
 SAVES = 3  # background saves measured per method
 STEPS_AFTER_SAVE = 3  # steps timed while a background save runs

@@ -126,3 +126,42 @@ def test_restore_takes_a_block_of_ranks_of_a_world(argv, parsed):
 def test_a_node_fetches_what_the_manifest_says_its_ranks_read_or_everything(meta, ranks, files):
     manifest = {"files": {name: {} for name in SHARD_FILES}, "meta": meta}
     assert restorelib.remote_checkpoints.ranks_files(manifest, ranks) == files
+
+
+def _exchange(rank: int, roots: list, port: int, results) -> None:
+    """One rank of a group of 2 whose nodes each restored the other's shard (ranks not in node order)."""
+    import torch.distributed as dist
+
+    import sharded
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    folder = roots[rank] / "step-00000005"
+    shards = sharded.ShardedCheckpoints(rank, 2, None, print)
+    shards._fetch_missing(folder, [".metadata", f"__{rank}_0.distcp"])
+    results[rank] = sorted(p.name for p in folder.iterdir())
+    dist.destroy_process_group()
+
+
+def test_a_rank_whose_node_restored_another_ranks_shard_is_sent_its_own_by_that_node(s3, tmp_path):
+    import torch.multiprocessing as mp
+
+    from podlab import free_ports
+
+    made = tmp_path / "made"
+    commit_sharded(made, 5)
+    for path in (made / "step-00000005").iterdir():
+        s3.put_object(Bucket=BUCKET, Key=f"{PREFIX}checkpoints/step-00000005/{path.name}", Body=path.read_bytes())
+    # Each node restored the block of the other (its name sorted the other way): node a holds rank
+    # 1's file, node b rank 0's.
+    roots = [tmp_path / "node-b", tmp_path / "node-a"]
+    for root, ranks in zip(roots, ((1, 1, 2), (0, 1, 2))):
+        assert restorelib.restore(s3, WHERE, root, ranks=ranks) == "step-00000005"
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_exchange, args=([r / "checkpoints" for r in roots], free_ports(1), results), nprocs=2)
+        got = dict(results)
+    for rank in (0, 1):
+        assert f"__{rank}_0.distcp" in got[rank], got
+        folder = roots[rank] / "checkpoints" / "step-00000005"
+        assert (folder / f"__{rank}_0.distcp").read_bytes() == SHARD_FILES[f"__{rank}_0.distcp"]
+        assert checkpoint.verify(folder) is None
