@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import os
 import pickle
 import shutil
@@ -249,6 +250,8 @@ def dcp_call(call, *args, **kwargs):
         failures = getattr(err, "failures", None) or {}
         rank, failure = min(failures.items(), key=lambda item: item[0]) if failures else (None, err)
         error = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(error.errno, f"rank {rank}: {error.strerror}") from None  # the caller's "no space"
         raise RuntimeError(f"rank {rank}: {type(error).__name__}: {error}") from None
 
 
@@ -283,6 +286,7 @@ def _commit(job: SaveJob, staged: checkpoint.Staged, ranks: list, train_state: d
         meta = {**job.meta, "shards": shards_meta(job.world, [reads for _, _, reads in ranks])}
         final = staged.commit(meta=meta)
     except Exception as err:  # noqa: BLE001 - told to every rank, which all stop
+        staged.abandon()
         return f"rank 0 could not commit {job.name}: {type(err).__name__}: {err}"
     if job.best:
         link_best(Path(job.root), final, meta)
@@ -408,6 +412,10 @@ class ShardedCheckpoints:
                 return write_and_commit(job, shards, train_state, self.group)
             except ShardSaveFailed:
                 raise
+            except OSError as err:
+                if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise ShardSaveFailed(f"saving checkpoint {final.name} failed: {err}") from err
             except Exception as err:
                 raise ShardSaveFailed(f"saving checkpoint {final.name} failed: {type(err).__name__}: "
                                       f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}") from err

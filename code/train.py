@@ -419,11 +419,12 @@ class Trainer:
                 state = self.shards.load(folder, self.raw_model, self.optimizer)
             else:
                 self.raw_model.load_state_dict(read_tensors(folder / "model.pt", self.rt.device))
+                state = None
         except (RuntimeError, KeyError, ValueError) as err:
             first = str(err).strip().splitlines()[-1].strip()
             raise ConfigError(f"checkpoint {folder.name} does not fit this model ({first}); use the "
                               f"config it was trained with, or a new S3_OUTPUT_URI") from None
-        if not self.shards:
+        if state is None:
             state = load_optimizer_state(self.optimizer, folder / "state.pt")
         if self.shards and len(state["rng"]) != self.rt.world_size:
             reseed(self.cfg.train.seed, state["step"], self.rt, len(state["rng"]))
@@ -497,9 +498,14 @@ class Trainer:
                 self._link_best(final)
             return
         started = time.monotonic()
-        with self._saver_errors():
-            self.shards.save(final, self.raw_model, self.optimizer, self._train_state(rng), self._meta(), is_best,
-                             self.cfg.checkpoint.keep)
+        try:
+            with self._saver_errors():
+                self.shards.save(final, self.raw_model, self.optimizer, self._train_state(rng), self._meta(),
+                                 is_best, self.cfg.checkpoint.keep)
+        except OSError as err:  # a synchronous save's full disk (a background one's is NoSpace)
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise self._no_space(final.name) from None
+            raise
         if not self.saver and self.rt.master:
             seconds = time.monotonic() - started
             log(f"checkpoint {final.name} committed: {folder_mb(final):.1f} MB in {seconds:.2f}s")
@@ -596,7 +602,8 @@ class Trainer:
         """After the first step the optimizer holds its state: the background save's buffer is set
         aside now, its pages touched by a thread, so the first save waits only for the copy."""
         if self.saver and self.shards:
-            self.saver.reserve(snapshot_bytes(self.shards.snapshot_tree(self.raw_model, self.optimizer)) + SNAPSHOT_SLACK)
+            tree = self.shards.snapshot_tree(self.raw_model, self.optimizer)
+            self.saver.reserve(snapshot_bytes(tree) + SNAPSHOT_SLACK)
         elif self.saver and self.rt.master:
             state = {"model": self.raw_model.state_dict(), "state": {"optimizer": self.optimizer.state_dict()}}
             self.saver.reserve(snapshot_bytes(state) + SNAPSHOT_SLACK)

@@ -37,8 +37,8 @@ def upload(tmp_path, s3_endpoint, out) -> str:
     """`uploader.py final` (exit code 1: no COMPLETE), once; its output."""
     env = uploader_env(tmp_path, s3_endpoint)
     take_lease(env, f"s3://{BUCKET}/{PREFIX}")
-    result = subprocess.run([sys.executable, str(JOB / "uploader.py"), "final", f"s3://{BUCKET}/{PREFIX}", str(out), "1"],
-                            env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(JOB / "uploader.py"), "final", f"s3://{BUCKET}/{PREFIX}", str(out),
+                             "1"], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout + result.stderr
 
@@ -54,7 +54,8 @@ def test_a_sharded_step_goes_up_signed_and_each_node_restores_only_its_ranks_fil
     commit_sharded(node0 / "checkpoints", 5)
     output = upload(tmp_path, s3_endpoint, node0)
     assert "step-00000005 is in S3" in output
-    remote = json.loads(s3.get_object(Bucket=BUCKET, Key=f"{PREFIX}checkpoints/step-00000005/manifest.json")["Body"].read())
+    key = f"{PREFIX}checkpoints/step-00000005/manifest.json"
+    remote = json.loads(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
     assert "hmac" in remote and checkpoint.manifest_problem(remote) is None and "absent" not in remote
 
     for rank, other in ((0, "__1_0.distcp"), (1, "__0_0.distcp")):
@@ -71,9 +72,9 @@ def test_a_sharded_step_goes_up_signed_and_each_node_restores_only_its_ranks_fil
         "another world size reads every file: all come down"
 
     # Node 0's partial copy: S3 has the step whole, so nothing is written; S3 without it: still nothing.
-    etag = s3.head_object(Bucket=BUCKET, Key=f"{PREFIX}checkpoints/step-00000005/manifest.json")["ETag"]
+    etag = s3.head_object(Bucket=BUCKET, Key=key)["ETag"]
     upload(tmp_path, s3_endpoint, tmp_path / "restored0")
-    assert s3.head_object(Bucket=BUCKET, Key=f"{PREFIX}checkpoints/step-00000005/manifest.json")["ETag"] == etag
+    assert s3.head_object(Bucket=BUCKET, Key=key)["ETag"] == etag
     for key in keys_in_s3(s3, f"{PREFIX}checkpoints/"):
         s3.delete_object(Bucket=BUCKET, Key=key)
     output = upload(tmp_path, s3_endpoint, tmp_path / "restored0")
@@ -103,7 +104,8 @@ def test_a_node_verifies_each_file_it_fetches_and_a_damaged_one_of_its_own_sends
 @pytest.mark.parametrize("argv,parsed", [
     (["s3://b/r/", "out"], (["s3://b/r/", "out"], {})),
     (["s3://b/r/", "out", "--ranks", "2:2:4"], (["s3://b/r/", "out"], {"--ranks": (2, 2, 4)})),
-    (["s3://b/r/", "out", "--step", "", "--ranks", "0:1:2"], (["s3://b/r/", "out"], {"--step": "", "--ranks": (0, 1, 2)})),
+    (["s3://b/r/", "out", "--step", "", "--ranks", "0:1:2"],
+     (["s3://b/r/", "out"], {"--step": "", "--ranks": (0, 1, 2)})),
     (["s3://b/r/", "out", "--ranks", "2:3:4"], None),  # past the world
     (["s3://b/r/", "out", "--ranks", "0:0:4"], None),
     (["s3://b/r/", "out", "--ranks", "1:1"], None),
