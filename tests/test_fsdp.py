@@ -15,9 +15,10 @@ from helpers import events_of, on_event, run_until, train_command, write_config,
 
 MAX_STEPS = 40
 SHARDS = ("__0_0.distcp", "__1_0.distcp")
-# Losses after a world-size change, relative to the uninterrupted run (dropout 0: only the order
-# of float sums differs). Measured on 2026-11-27: at most 7.3e-8 over the 20 steps after a change.
-RESHARD_RTOL = 1e-5
+# Train losses after a world-size change, relative to the uninterrupted run. Measured on 2026-11-27
+# over the 20 steps after a change: at most 0.26% with dropout 0.1 (a resharded run draws its
+# dropout anew), 7.3e-8 with dropout 0 (only the order of float sums differs).
+RESHARD_RTOL = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,9 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fsdp_config(tmp_path_factory):
-    return write_config(tmp_path_factory.mktemp("config") / "fsdp.yaml", train__parallelism="fsdp")
+    # The schedule does not depend on max_steps: a run stopped early is the first part of the whole.
+    return write_config(tmp_path_factory.mktemp("config") / "fsdp.yaml", train__parallelism="fsdp",
+                        train__lr_decay_steps=MAX_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,12 @@ def reference(tmp_path_factory, corpus, fsdp_config):
     out = tmp_path_factory.mktemp("reference")
     code, output = run_until(train_command(fsdp_config, corpus, out, nproc=2))
     assert code == 0, output
+    (out / "output.txt").write_text(output)
     return out
+
+
+def reference_events(out: Path, kind: str) -> list[dict]:
+    return events_of((out / "output.txt").read_text(), kind)
 
 
 def step_folder(out: Path, step: int) -> Path:
@@ -60,7 +68,7 @@ def test_fsdp_resume_after_sigkill_at_random_moments_is_bitwise_exact(tmp_path, 
     command = train_command(fsdp_config, corpus, out, nproc=2)
     step = rng.randint(8, MAX_STEPS - 3)  # past the first checkpoint: the resume loads one
     code, output = run_until(command, stop_when=on_event("step", step=step), delay=rng.uniform(0, 0.1))
-    assert code == -signal.SIGKILL, output
+    assert code == -signal.SIGKILL and not events_of(output, "done"), "every process of the run is killed"
     resumed = events_of(output, "resumed")
     code, output = run_until(command)
     assert code == 0, output
@@ -91,32 +99,21 @@ def losses(output: str) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events_of(output, "step")}
 
 
-RESHARD_STEPS = 20
-
-
-@pytest.fixture(scope="module")
-def reshard_config(tmp_path_factory):
-    # Dropout 0: the RNG of a resharded run is seeded anew. The schedule does not depend on
-    # max_steps, so a run stopped early is the first part of the whole one.
-    return write_config(tmp_path_factory.mktemp("reshard") / "fsdp.yaml", train__parallelism="fsdp",
-                        train__max_steps=RESHARD_STEPS, train__lr_decay_steps=RESHARD_STEPS, model__dropout=0.0,
-                        checkpoint__async_save=False)
-
-
-def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(tmp_path, corpus, reshard_config):
-    code, output = run_until(train_command(reshard_config, corpus, tmp_path / "uninterrupted", nproc=2))
-    assert code == 0, output
-    expected = losses(output)
+def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(tmp_path, corpus, fsdp_config, reference):
+    expected = {e["step"]: e["loss"] for e in reference_events(reference, "step")}
     out, got = tmp_path / "out", {}
     for nproc, until, resumed in ((2, 10, 0), (1, 15, 10), (2, 20, 15)):  # 2 -> 1 -> 2 processes
-        code, output = run_until(train_command(reshard_config, corpus, out, nproc=nproc,
-                                               extra=("--set", f"train.max_steps={until}")))
+        # Synchronous saves: the same checkpoints, without a save process to start per rank and run.
+        code, output = run_until(train_command(fsdp_config, corpus, out, nproc=nproc,
+                                               extra=("--set", f"train.max_steps={until}",
+                                                      "--set", "checkpoint.async_save=false")))
         assert code == 0, output
         assert events_of(output, "resumed")[0]["step"] == resumed, "the run goes on from the same step"
         assert not resumed or f"saved by {3 - nproc} process(es), this run has {nproc}" in output
         got.update(losses(output))
         shards = checkpoint.read_manifest(step_folder(out, until))["meta"]["shards"]
         assert shards["world_size"] == nproc and len(shards["reads"]) == nproc
-    assert sorted(got) == list(range(1, RESHARD_STEPS + 1))
-    for step in got:
+    assert sorted(got) == list(range(1, 21))
+    assert [got[step] for step in range(1, 11)] == [expected[step] for step in range(1, 11)], "before any change"
+    for step in range(11, 21):
         assert got[step] == pytest.approx(expected[step], rel=RESHARD_RTOL), step
