@@ -119,6 +119,7 @@ def test_the_optimizers_unsharded_values_come_from_the_checkpoint_and_a_missing_
         sharded.merged(template, {"optim": {"state": {}, "param_groups": []}})
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist: one process, as meant
 def test_dcp_metadata_is_read_with_dcp_classes_only(tmp_path):
     import torch.distributed.checkpoint as dcp
 
