@@ -73,7 +73,7 @@ def write_step(root: Path, name: str, model_state, state: dict, meta: dict, best
                beat: Callable[[], None] = lambda: None) -> Path:
     """Commit checkpoint `name` under `root`, link best/ to it if `best`, prune to `keep`."""
     final = root / name
-    with checkpoint.stage(final) as staged, _without_crc32():
+    with checkpoint.stage(final) as staged, without_crc32():
         with staged.open("model.pt") as file:
             torch.save(model_state, file)
         beat()
@@ -89,7 +89,7 @@ def write_step(root: Path, name: str, model_state, state: dict, meta: dict, best
 
 
 @contextlib.contextmanager
-def _without_crc32():
+def without_crc32():
     """torch.save with no CRC-32 of its records: the manifest's sha256 already covers every byte,
     torch.load does not need it, and it costs 0.15 s of CPU a 500 MB (a third of the save
     process's own CPU here, and as long again in every synchronous save). torch's setting is global,
@@ -107,10 +107,13 @@ def _without_crc32():
 
 
 def link_best(root: Path, source: Path, meta: dict) -> None:
-    """best/ holds a hard link to a committed step's model.pt, with that step's meta."""
-    entry = checkpoint.read_manifest(source)["files"]["model.pt"]
+    """best/ holds hard links to a committed step's model.pt (a sharded step: every file, the
+    weights being spread over the ranks' files), with that step's meta."""
+    files = checkpoint.read_manifest(source)["files"]
+    names = ["model.pt"] if "model.pt" in files else sorted(files)
     with checkpoint.stage(root / "best") as staged:
-        staged.add_link(source / "model.pt", entry)
+        for name in names:
+            staged.add_link(source / name, files[name])
         staged.commit(meta=meta, replace=True)
 
 
@@ -261,6 +264,14 @@ class _Request:
     keep: int
     layout: list
 
+    def run(self, buffer) -> tuple:
+        """In the save process: commit the state the buffer holds; the outcome for the trainer."""
+        views = _Bases(buffer, self.layout)
+        made: dict = {}
+        return saved_in_process(lambda: write_step(Path(self.root), self.name, rebuild(self.model, views, made),
+                                                   rebuild(self.state, views, made), self.meta, self.best,
+                                                   self.keep))
+
 
 @dataclass
 class _InFlight:
@@ -295,15 +306,24 @@ class AsyncSaver:
 
     def submit(self, root: Path, name: str, model_state, state: dict, meta: dict, best: bool,
                keep: int) -> None:
+        def request(skeleton, layout) -> _Request:
+            return _Request(str(root), name, skeleton["model"], skeleton["state"], meta, best, keep, layout)
+
+        self.submit_job(Path(root) / name, {"model": model_state, "state": state}, request)
+
+    def submit_job(self, final: Path, tree, make_request: Callable[[Any, list], Any]) -> None:
+        """Copy the tensors of `tree` into the shared buffer and send the save process
+        make_request(skeleton, layout): an object whose run(buffer) it calls (see _Request.run),
+        where the skeleton is `tree` with every tensor replaced by its place in the buffer."""
         requested = time.monotonic()
         if self._in_flight:
             waiting_for, started = self._in_flight.final.name, time.monotonic()
             self.wait()
             self.log(f"waited {time.monotonic() - started:.2f}s for checkpoint {waiting_for} to commit "
-                     f"before taking {name}; checkpoint.interval is shorter than a save")
+                     f"before taking {final.name}; checkpoint.interval is shorter than a save")
         started = time.monotonic()
         storages: list[torch.Tensor] = []
-        skeleton = flatten({"model": model_state, "state": state}, storages, {})
+        skeleton = flatten(tree, storages, {})
         layout, size = plan(storages)
         if layout != self._layout:  # the first save, or the state changed shape: buffers are reused
             self._allocate(layout, size)
@@ -313,11 +333,10 @@ class AsyncSaver:
                 target.copy_(storage, non_blocking=self._pinned is not None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # every copy has landed before the process reads it
-        self._send(("save", _Request(str(root), name, skeleton["model"], skeleton["state"], meta, best,
-                                     keep, self._layout)))
+        self._send(("save", make_request(skeleton, self._layout)))
         copied = time.monotonic()
-        self._in_flight = _InFlight(Path(root) / name, requested, copied, blocked=copied - requested)
-        self.log(f"saving {name} in the background (pid {self._process.pid}); "
+        self._in_flight = _InFlight(final, requested, copied, blocked=copied - requested)
+        self.log(f"saving {final.name} in the background (pid {self._process.pid}); "
                  f"training waited {copied - started:.2f}s for the copy")
 
     def reserve(self, nbytes: int) -> None:
@@ -505,16 +524,15 @@ def _serve(conn, trainer_pid: int) -> None:
             buffer = mmap.mmap(fd, message[1])
             os.close(fd)
             continue
-        conn.send(_save(message[1], buffer))
+        conn.send(message[1].run(buffer))
 
 
-def _save(request: _Request, buffer) -> tuple:
+def saved_in_process(save: Callable[[], Path | None]) -> tuple:
+    """The save process's answer for save(), which returns the folder it committed (None: another
+    process commits it): ("ok", bytes, seconds, committed at), ("nospace", why) or ("error", why)."""
     started = time.monotonic()
-    views = _Bases(buffer, request.layout)
     try:
-        made: dict = {}
-        final = write_step(Path(request.root), request.name, rebuild(request.model, views, made),
-                           rebuild(request.state, views, made), request.meta, request.best, request.keep)
+        final = save()
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             return ("nospace", str(err))
@@ -522,7 +540,7 @@ def _save(request: _Request, buffer) -> tuple:
     except Exception as err:  # noqa: BLE001 - any failure is reported to the trainer, which stops
         return ("error", f"{type(err).__name__}: {err}")
     committed = time.monotonic()
-    return ("ok", folder_bytes(final), committed - started, committed)
+    return ("ok", folder_bytes(final) if final else 0, committed - started, committed)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ class ConfigError(Exception):
     """Bad input that no retry can fix."""
 
 
-
+PARALLELISMS = ("ddp", "fsdp")
 
 
 @dataclasses.dataclass
@@ -64,6 +64,9 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 disables clipping
     seed: int = 1337
+    # ddp: every process holds the whole model. fsdp: weights, gradients and AdamW state sharded
+    # across the processes (FSDP2), checkpoints sharded too (one file per process, DCP).
+    parallelism: str = "ddp"
 
     def check(self) -> None:
         for key in ("batch_size", "grad_accum_steps", "max_steps"):
@@ -77,6 +80,8 @@ class TrainConfig:
         _require(0 <= self.beta1 < 1, "train.beta1", "must be in [0, 1)")
         _require(0 <= self.beta2 < 1, "train.beta2", "must be in [0, 1)")
         _require(self.grad_clip >= 0, "train.grad_clip", "must be 0 (off) or more")
+        _require(self.parallelism in PARALLELISMS, "train.parallelism",
+                 f"must be one of {', '.join(PARALLELISMS)}, got {_show(self.parallelism)}")
 
 
 @dataclasses.dataclass

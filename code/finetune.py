@@ -101,8 +101,11 @@ class TrainSettings:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 1337
+    parallelism: str = "ddp"  # fsdp: weights, gradients and optimizer state sharded (FSDP2), as in train.py
 
     def check(self) -> None:
+        _require(self.parallelism in config.PARALLELISMS, "train.parallelism",
+                 f"must be one of {', '.join(config.PARALLELISMS)}, got {config._show(self.parallelism)}")
         for key in ("batch_size", "grad_accum_steps", "max_steps"):
             _require(getattr(self, key) >= 1, f"train.{key}", "must be at least 1")
         _require(self.learning_rate > 0, "train.learning_rate", "must be positive")
@@ -261,6 +264,9 @@ def build(settings: Settings, args: argparse.Namespace, world_size: int, texts: 
                               TrainingArguments, default_data_collator, set_seed)
 
     cuda = torch.cuda.is_available()
+    problem = parallelism_problem(settings.train.parallelism, cuda)
+    if problem:
+        raise ConfigError(problem)
     bf16 = cuda and settings.model.dtype == "bfloat16"
     tokenizer = load_tokenizer(AutoTokenizer, args.model_dir)
     train_texts, val_texts = texts
@@ -306,6 +312,7 @@ def build(settings: Settings, args: argparse.Namespace, world_size: int, texts: 
         ddp_backend="gloo" if world_size > 1 and not cuda else None,
         dataloader_num_workers=0,
         **checkpointing_argument(TrainingArguments, settings.model.gradient_checkpointing),
+        **fsdp_arguments(settings.train.parallelism),
     )
     train_data = datasets.Dataset.from_dict({"input_ids": train_blocks, "labels": train_blocks})
     eval_data = None
@@ -339,6 +346,25 @@ def checkpointing_argument(arguments_class, on: bool) -> dict:
     warns there; before 5.23 the new one is an unexpected keyword)."""
     names = {field.name for field in dataclasses.fields(arguments_class)}
     return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": on}
+
+
+def parallelism_problem(parallelism: str, cuda: bool) -> str | None:
+    """accelerate shards a Trainer's model only across GPUs: on CPU it trains with DDP and says nothing."""
+    if parallelism == "fsdp" and not cuda:
+        return ("train.parallelism: fsdp needs GPUs (accelerate shards a Trainer's model only across GPUs; on "
+                "CPU it would train with DDP instead); set train.parallelism: ddp")
+    return None
+
+
+def fsdp_arguments(parallelism: str) -> dict:
+    """TrainingArguments for FSDP2 through accelerate: every decoder layer sharded, then the root;
+    sharded checkpoints (each rank its DCP shards of the model and the optimizer)."""
+    if parallelism != "fsdp":
+        return {}
+    return {"fsdp": "full_shard", "fsdp_config": {"version": 2, "reshard_after_forward": True,
+                                                   "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                                   "state_dict_type": "SHARDED_STATE_DICT",
+                                                   "cpu_ram_efficient_loading": False}}
 
 
 def _with_lora(model, lora: LoraSettings):

@@ -18,6 +18,10 @@ What it does, with transformers' own callback API (and trainer.train wrapped for
   scheduler.pt, rng_state.pth) truncates an existing file in place: through a hard link that rewrites
   the committed file under its manifest. The emptied `checkpoint-N/` is removed, so `save_total_limit`
   has nothing of ours to rotate; retention is `checkpoint.prune(keep)`.
+- A save under FSDP (accelerate's sharded state dict) holds folders, `pytorch_model_fsdp_0/` and
+  `optimizer_0/` (every rank's DCP shards): a checkpoint holds plain file names only, so each file
+  of a folder is committed as `FOLDER~NAME`, the manifest's meta "nested" maps it back, and the
+  resume hands the Trainer a view of the folder as it saved it (hard links, `.staging-resume-*`).
 - `checkpoint()` picks the newest checkpoint that verifies against its manifest; torn ones (a
   `checkpoint-N/` killed mid-save, a staging folder, a step folder without manifest or with damaged
   files) are never resumed from: they are removed with a warning that names them.
@@ -59,6 +63,7 @@ except ImportError as err:  # pragma: no cover - the module is useless without i
 
 CHECKPOINTS = "checkpoints"
 TRAINER_PREFIX = "checkpoint-"  # transformers' PREFIX_CHECKPOINT_DIR
+NESTED = "~"  # FOLDER~NAME: a file of a folder of the Trainer's save, as one plain file name
 _CHUNK = 8 << 20
 
 
@@ -74,7 +79,7 @@ class _RunDone(Exception):
 
 
 class CheckpointLayoutError(Exception):
-    """The Trainer wrote something a checkpoint folder cannot hold (a sub-folder: FSDP/DeepSpeed shards)."""
+    """The Trainer wrote something a checkpoint folder cannot hold (folders within folders)."""
 
 
 # -- committing a Trainer save --------------------------------------------------------------------
@@ -107,28 +112,68 @@ def commit_trainer_save(source: Path, root: Path, step: int, meta: dict, beat=la
     if checkpoint.is_committed(final):  # the same step saved twice: the first commit stands
         _remove_tree(source)
         return final
-    entries = sorted(source.iterdir())
-    nested = [p.name for p in entries if p.is_dir()]
+    entries, nested = flattened(source)
     if nested:
-        raise CheckpointLayoutError(
-            f"{source.name} holds folders ({', '.join(nested)}): sharded FSDP/DeepSpeed checkpoints are "
-            f"not supported; use DDP (the default under torchrun)")
+        meta = {**meta, "nested": nested}
     root.mkdir(parents=True, exist_ok=True)
     staged = _MovedIn(final)
     try:
-        for path in entries:  # same file system: a rename moves no bytes
-            os.rename(path, staged.path / path.name)
+        for name, path in entries:  # same file system: a rename moves no bytes
+            os.rename(path, staged.path / name)
         beat()
         with ThreadPoolExecutor(max_workers=max(1, min(len(entries), os.cpu_count() or 1))) as pool:
-            hashed = list(pool.map(lambda p: _hash_and_sync(staged.path / p.name), entries))
+            hashed = list(pool.map(lambda item: _hash_and_sync(staged.path / item[0]), entries))
         beat()
-        for path, entry in zip(entries, hashed):
-            staged.take(path.name, entry)
+        for (name, _), entry in zip(entries, hashed):
+            staged.take(name, entry)
         staged.commit(meta=meta)
     finally:
         staged.abandon()
     _remove_tree(source)
     return final
+
+
+def flattened(source: Path) -> tuple[list[tuple[str, Path]], dict[str, str]]:
+    """(flat name, path) of every file of a Trainer save, and {flat name: FOLDER/NAME} for those in
+    a folder (FSDP's shards). A folder in a folder, or two files that flatten alike, cannot be held."""
+    entries, nested = [], {}
+    for path in sorted(source.iterdir()):
+        if not path.is_dir():
+            entries.append((path.name, path))
+            continue
+        for inner in sorted(path.iterdir()):
+            if inner.is_dir():
+                raise CheckpointLayoutError(f"{source.name}/{path.name} holds a folder ({inner.name}): a checkpoint "
+                                            f"holds files, and files of folders, only")
+            name = f"{path.name}{NESTED}{inner.name}"
+            entries.append((name, inner))
+            nested[name] = f"{path.name}/{inner.name}"
+    names = [name for name, _ in entries]
+    if len(set(names)) != len(names):
+        raise CheckpointLayoutError(f"{source.name} holds files whose names collide once folders are flattened "
+                                    f"with {NESTED!r}")
+    return entries, nested
+
+
+def trainer_view(folder: Path) -> Path:
+    """The committed checkpoint as the Trainer saved it, folders included: hard links (no bytes
+    copied) in a staging folder beside it, which the next start removes. The folder itself when
+    nothing in it was nested."""
+    manifest = checkpoint.read_manifest(folder)
+    nested = manifest.get("meta", {}).get("nested") or {}
+    if not nested:
+        return folder
+    view = checkpoint.staging_path(folder.parent / f"resume-{folder.name}")
+    view.mkdir()
+    os.link(folder / checkpoint.MANIFEST, view / checkpoint.MANIFEST)  # what finetune.py checks it against
+    for name in manifest["files"]:
+        target = nested.get(name, name)
+        parts = target.split("/")
+        if not (1 <= len(parts) <= 2 and all(checkpoint.is_file_name(p) for p in parts)):
+            raise CheckpointLayoutError(f"{folder.name}'s manifest maps {name!r} to {target!r}, not FOLDER/NAME")
+        (view / target).parent.mkdir(exist_ok=True)
+        os.link(folder / name, view / target)
+    return view
 
 
 def _remove_tree(path: Path) -> None:
@@ -448,13 +493,15 @@ class Resume:
     def checkpoint(self) -> str | None:
         """The newest committed checkpoint (rank 0 decides, every rank gets the same answer)."""
         name = None
+        view = None
         if self.callback.master:
             folder = newest_committed(self.callback.out)
             name = folder.name if folder else None
             log(f"resuming from {name}" if name else "no committed checkpoint: starting from step 0")
             self.callback.resuming_from, self.callback.resume_started = name, time.monotonic()
+            view = str(trainer_view(folder)) if folder else None
         try:
-            name = self.callback.dist.broadcast(name)
+            name, view = self.callback.dist.broadcast((name, view))
             # In a group each node restored node 0's choice from S3; one with another (a newer step
             # landed between two nodes' restores) must not load different weights: the group restarts.
             missing = self.callback.dist.count(name is not None and not checkpoint.is_committed(self.callback.root / name))
@@ -467,7 +514,9 @@ class Resume:
         if name is None:
             return None
         self.callback.restore_report((checkpoint.read_manifest(self.callback.root / name) or {}).get("meta", {}))
-        return str(self.callback.root / name)
+        if view is None or Path(view).name == name:  # nothing nested: each rank's own copy of the step
+            return str(self.callback.root / name)
+        return view
 
     def exit_code(self) -> int:
         """0, or 128 + the signal training stopped for (143 SIGTERM, 130 SIGINT)."""

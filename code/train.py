@@ -237,6 +237,25 @@ def gather_rng_states(rt: Runtime) -> list[dict]:
     return [{k: (v.cpu() if v is not None else None) for k, v in s.items()} for s in states]
 
 
+def reseed(seed: int, step: int, rt: Runtime, saved_by: int) -> None:
+    """A sharded checkpoint resumed by another number of processes: each draws from a seed of
+    (seed, step, rank), the same on every resume of that checkpoint at this world size."""
+    if rt.master:
+        log(f"the checkpoint was saved by {saved_by} process(es), this run has {rt.world_size}: each process's "
+            f"RNG (dropout) is seeded anew from (seed, step, rank)")
+    torch.manual_seed(_seed_of(("rng", seed, step, rt.rank)))
+    if rt.device.type == "cuda":
+        torch.cuda.manual_seed(_seed_of(("cuda rng", seed, step, rt.rank)))
+
+
+def check_same_parallelism(meta: dict, parallelism: str, name: str) -> None:
+    """A sharded checkpoint (DCP files) and a DDP one (model.pt, state.pt) do not load into each other."""
+    saved = "fsdp" if isinstance(meta.get("shards"), dict) else "ddp"
+    if saved != parallelism:
+        raise ConfigError(f"checkpoint {name} was saved with train.parallelism={saved}, the config says "
+                          f"{parallelism}; set train.parallelism: {saved}, or use a new S3_OUTPUT_URI")
+
+
 def restore_rng(states: list[dict], rt: Runtime) -> None:
     if len(states) != rt.world_size:
         log(f"warning: checkpoint has RNG states of {len(states)} processes, this run has "
@@ -271,8 +290,16 @@ class Trainer:
         self.raw_model: GPT | None = None  # built by load(), once it knows whether a checkpoint fills it
         self.optimizer: torch.optim.Optimizer | None = None
         self.writer = None
-        self.saver = (AsyncSaver(rt.device, log, self.heartbeat.beat, on_commit=report_checkpoint)
-                      if cfg.checkpoint.async_save and rt.master else None)
+        # FSDP: every rank saves its own shards, so every rank has a save process; DDP: rank 0's.
+        self.shards = None
+        fsdp = cfg.train.parallelism == "fsdp"
+        self.saver = (AsyncSaver(rt.device, log if rt.master else _quiet, self.heartbeat.beat,
+                                 on_commit=report_checkpoint if rt.master else lambda *_: None)
+                      if cfg.checkpoint.async_save and (rt.master or fsdp) else None)
+        if fsdp:
+            import sharded  # torch.distributed.fsdp and .checkpoint: only for the runs that use them
+
+            self.shards = sharded.ShardedCheckpoints(rt.rank, rt.world_size, rt.cpu_group, log, self.saver)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -306,8 +333,14 @@ class Trainer:
     def _build(self, resuming: bool) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every process
-        self.raw_model = (GPT.empty(cfg.model, self.rt.device) if resuming
-                          else GPT(cfg.model).to(self.rt.device))
+        if self.shards:
+            import sharded
+
+            self.raw_model = sharded.build(lambda: GPT(cfg.model), lambda model: model.transformer.h, self.rt.device,
+                                           cfg.system.dtype == "bfloat16", resuming)
+        else:
+            self.raw_model = (GPT.empty(cfg.model, self.rt.device) if resuming
+                              else GPT(cfg.model).to(self.rt.device))
         self.optimizer = self.raw_model.make_optimizer(
             cfg.train.weight_decay, cfg.train.learning_rate, (cfg.train.beta1, cfg.train.beta2),
             self.rt.device.type)
@@ -334,15 +367,23 @@ class Trainer:
             raise ConfigError(problem)
         meta = checkpoint.read_manifest(folder)["meta"]
         config.check_same_model(meta.get("model", {}), self.cfg, f"checkpoint {folder.name}")
-        weights = read_tensors(folder / "model.pt", self.rt.device)
+        check_same_parallelism(meta, self.cfg.train.parallelism, folder.name)
         try:
-            self.raw_model.load_state_dict(weights)
-        except RuntimeError as err:
+            if self.shards:
+                state = self.shards.load(folder, self.raw_model, self.optimizer)
+            else:
+                self.raw_model.load_state_dict(read_tensors(folder / "model.pt", self.rt.device))
+                state = None
+        except (RuntimeError, KeyError, ValueError) as err:
             first = str(err).strip().splitlines()[-1].strip()
             raise ConfigError(f"checkpoint {folder.name} does not fit this model ({first}); use the "
                               f"config it was trained with, or a new S3_OUTPUT_URI") from None
-        state = load_optimizer_state(self.optimizer, folder / "state.pt")
-        restore_rng(state["rng"], self.rt)
+        if state is None:
+            state = load_optimizer_state(self.optimizer, folder / "state.pt")
+        if self.shards and len(state["rng"]) != self.rt.world_size:
+            reseed(self.cfg.train.seed, state["step"], self.rt, len(state["rng"]))
+        else:
+            restore_rng(state["rng"], self.rt)
         self.step = state["step"]
         self.best_val_loss = state["best_val_loss"]
         self.best_step = state["best_step"]
@@ -363,6 +404,9 @@ class Trainer:
         """Checkpoint this step (a collective: every rank calls it, rank 0 writes). With a saver,
         it returns once the state is copied; the commit follows in the background."""
         rng = gather_rng_states(self.rt)
+        if self.shards:
+            self._save_shards(rng, is_best)
+            return
         if not self.rt.master:
             return
         final = self.ckpt_root / checkpoint.step_dir_name(self.step)
@@ -396,10 +440,34 @@ class Trainer:
         return ConfigError(f"no space left in {self.out} for checkpoint {name}; give the workspace volume "
                            f"more room (emptyDir sizeLimit) or lower checkpoint.keep ({self.cfg.checkpoint.keep})")
 
-    def _write_checkpoint(self, final: Path, rng: list[dict], is_best: bool) -> None:
+    def _save_shards(self, rng: list[dict], is_best: bool) -> None:
+        """Every rank writes its shards (sharded.py); rank 0's view of what is committed decides."""
+        final = self.ckpt_root / checkpoint.step_dir_name(self.step)
+        box = [checkpoint.is_committed(final) if self.rt.master else None]
+        if self.rt.ddp:
+            dist.broadcast_object_list(box, src=0, group=self.rt.cpu_group)
+        if box[0]:
+            if is_best and self.rt.master:
+                self.wait_for_saves()  # best/ is linked by one writer at a time
+                self._link_best(final)
+            return
         started = time.monotonic()
-        state = {
-            "optimizer": self.optimizer.state_dict(),
+        try:
+            with self._saver_errors():
+                self.shards.save(final, self.raw_model, self.optimizer, self._train_state(rng), self._meta(),
+                                 is_best, self.cfg.checkpoint.keep)
+        except OSError as err:  # a synchronous save's full disk (a background one's is NoSpace)
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise self._no_space(final.name) from None
+            raise
+        if not self.saver and self.rt.master:
+            seconds = time.monotonic() - started
+            log(f"checkpoint {final.name} committed: {folder_mb(final):.1f} MB in {seconds:.2f}s")
+            report_checkpoint(final, folder_bytes(final), seconds, blocked_seconds=seconds)
+
+    def _train_state(self, rng: list[dict]) -> dict:
+        """Everything a checkpoint holds beside the weights and the optimizer state."""
+        return {
             "step": self.step,
             "rng": rng,
             "best_val_loss": self.best_val_loss,
@@ -411,6 +479,10 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "world_size": self.rt.world_size,
         }
+
+    def _write_checkpoint(self, final: Path, rng: list[dict], is_best: bool) -> None:
+        started = time.monotonic()
+        state = {"optimizer": self.optimizer.state_dict(), **self._train_state(rng)}
         keep = self.cfg.checkpoint.keep
         if self.saver:
             with self._saver_errors():
@@ -429,6 +501,9 @@ class Trainer:
         report_checkpoint(final, folder_bytes(final), seconds, blocked_seconds=seconds)
 
     def _link_best(self, source: Path) -> None:
+        if checkpoint.absent_files(checkpoint.read_manifest(source) or {}):
+            log(f"best/ stays as it is: {source.name} here holds only this node's shard files")
+            return
         link_best(self.ckpt_root, source, self._meta())
 
     def _meta(self) -> dict:
@@ -443,7 +518,7 @@ class Trainer:
         self.load()
         start_step = self.start_step = self.step
         model = torch.compile(self.raw_model) if self.cfg.system.compile else self.raw_model
-        if self.rt.ddp:
+        if self.rt.ddp and not self.shards:  # FSDP's model is sharded as it is built (_build)
             model = DDP(model, device_ids=[self.rt.local_rank] if self.rt.device.type == "cuda" else None)
         if self.rt.master:
             self._open_tensorboard(start_step)
@@ -480,7 +555,10 @@ class Trainer:
     def _reserve_snapshot(self) -> None:
         """After the first step the optimizer holds its state: the background save's buffer is set
         aside now, its pages touched by a thread, so the first save waits only for the copy."""
-        if self.saver and self.rt.master:
+        if self.saver and self.shards:
+            tree = self.shards.snapshot_tree(self.raw_model, self.optimizer)
+            self.saver.reserve(snapshot_bytes(tree) + SNAPSHOT_SLACK)
+        elif self.saver and self.rt.master:
             state = {"model": self.raw_model.state_dict(), "state": {"optimizer": self.optimizer.state_dict()}}
             self.saver.reserve(snapshot_bytes(state) + SNAPSHOT_SLACK)
 
@@ -492,8 +570,9 @@ class Trainer:
         total = torch.zeros((), device=self.rt.device)
         for i in range(local_steps):
             x, y = self.batches.train(self.step + 1, self.rt.rank * local_steps + i)
-            # Gradients are averaged across processes only on the last micro-step.
-            sync = not self.rt.ddp or i == local_steps - 1
+            # DDP averages gradients across processes only on the last micro-step; FSDP reduces
+            # them to shards at every one (a whole unsharded gradient would cost the memory it saves).
+            sync = not self.rt.ddp or self.shards is not None or i == local_steps - 1
             with (contextlib.nullcontext() if sync else model.no_sync()):
                 with self.autocast:
                     _, loss = model(x, y)
@@ -645,6 +724,10 @@ def peak_flops(device: torch.device, override_tflops: float, dtype: str = "bfloa
             return tflops * 1e12
     log(f"no bf16 peak known for {name!r}: set system.peak_tflops to see MFU")
     return 0.0
+
+
+def _quiet(_message: str) -> None:
+    """A rank other than 0 logs nothing of its background saves: rank 0 speaks for them."""
 
 
 def _show(value: float | None) -> str:

@@ -12,6 +12,10 @@ Files are written into a hidden staging folder next to the target, fsynced, then
 A folder without a manifest, or whose files do not match it, is not a checkpoint: a crash at any
 moment leaves either the previous state or a whole new checkpoint.
 
+A checkpoint written by several processes (train.py under FSDP: every rank its own shard files)
+adopts one staging folder: Staged(final, path=folder) takes the folder others wrote into,
+add_written() records each file with the size and sha256 its writer measured, commit() as above.
+
     newest_valid(root)   the newest step folder that verifies, skipping (and reporting) bad ones;
                          with verified=read_verified(os.environ.get("RESTORE_VERIFIED_FILE")), the
                          folder the pod's restore just hashed is checked by size only
@@ -102,13 +106,22 @@ class _HashingWriter:
         self._file.flush()
 
 
-class Staged:
-    """A checkpoint being written. Nothing in it counts until commit() returns."""
+def staging_path(final: Path) -> Path:
+    """A fresh staging folder's name for the checkpoint `final` (not created)."""
+    return final.parent / f"{STAGING_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
 
-    def __init__(self, final: Path):
+
+class Staged:
+    """A checkpoint being written. Nothing in it counts until commit() returns. `path`: a staging
+    folder (staging_path()) that others are writing into, adopted as it is."""
+
+    def __init__(self, final: Path, path: Path | None = None):
         self.final = final
-        self.path = final.parent / f"{STAGING_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-        self.path.mkdir(parents=True)
+        self.path = path or staging_path(final)
+        if path is None:
+            self.path.mkdir(parents=True)
+        elif not self.path.is_dir() or not self.path.name.startswith(f"{STAGING_PREFIX}{final.name}-"):
+            raise ValueError(f"{self.path} is not a staging folder of {final.name}")
         self._entries: dict[str, dict] = {}
 
     @contextlib.contextmanager
@@ -157,16 +170,31 @@ class Staged:
             raise ValueError(problem)
         self._entries[name] = {"size": writer.size, "sha256": digest}
 
+    def add_written(self, name: str, entry: dict) -> None:
+        """A file another process wrote into the folder and fsynced, with the size and sha256 it
+        measured as it wrote (its size is checked here; verify() checks the bytes)."""
+        _check_file_name(name)
+        problem = verify_file(self.path / name, entry, full=False)
+        if problem:
+            raise ValueError(problem)
+        self._entries[name] = {"size": entry["size"], "sha256": entry["sha256"]}
+
     def add_link(self, source: Path, entry: dict) -> None:
         """Reuse a committed file (a hard link, no copy) whose manifest entry is already known."""
         os.link(source, self.path / source.name)
         self._entries[source.name] = dict(entry)
 
-    def commit(self, meta: dict | None = None, replace: bool = False) -> Path:
+    def commit(self, meta: dict | None = None, replace: bool = False, files: dict | None = None,
+               absent: tuple | list = ()) -> Path:
         """Write the manifest last, then rename into place. An existing committed folder of the
-        same name is kept unless `replace` (then it is swapped out, never left half-deleted)."""
-        manifest = {"format": FORMAT, "files": self._entries, "meta": meta or {},
-                    "committed_at": time.time()}
+        same name is kept unless `replace` (then it is swapped out, never left half-deleted).
+        `files` and `absent`: a partial copy (a node of a group restores the shard files its own
+        ranks read): the manifest lists every file of the checkpoint as S3 has it, and `absent`
+        names those not fetched here, which verify() does not look for."""
+        manifest = {"format": FORMAT, "files": files if files is not None else self._entries,
+                    "meta": meta or {}, "committed_at": time.time()}
+        if absent:
+            manifest["absent"] = sorted(absent)
         key = _hmac_key()
         if key:
             manifest.update(folder=self.final.name, run=run_identity())  # what the signature binds
@@ -191,6 +219,28 @@ class Staged:
     def abandon(self) -> None:
         if self.path.exists():
             _remove_tree(self.path)
+
+
+@contextlib.contextmanager
+def fill_in(folder: Path, name: str) -> Iterator[_HashingWriter]:
+    """Write a file that a partial copy's manifest lists (see commit()'s `absent`) into the
+    committed folder: it takes its place only once it matches its manifest entry."""
+    entry = read_manifest(folder)["files"][name]
+    _check_file_name(name)
+    incoming = folder / f"{STAGING_PREFIX}{name}"
+    try:
+        with open(incoming, "wb") as file:
+            writer = _HashingWriter(file, name, limit=entry["size"])
+            yield writer
+            file.flush()
+            os.fsync(file.fileno())
+        digest = writer.sha256.hexdigest()
+        problem = entry_problem(name, writer.size, entry, lambda: digest)
+        if problem:
+            raise ValueError(problem)
+        os.replace(incoming, folder / name)
+    finally:
+        incoming.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -236,7 +286,15 @@ def manifest_problem(value, folder: str) -> str | None:
         return f"its manifest names {_shown(bad)}, which is not a plain file name"
     if type(value.get("format")) is not int or value["format"] not in KNOWN_FORMATS:
         return f"its manifest has format {_shown(value.get('format'))}, this runtime reads format {FORMAT}"
+    absent = value.get("absent", [])
+    if not isinstance(absent, list) or not all(isinstance(n, str) and n in files for n in absent):
+        return "its manifest's absent files are not names it lists"
     return _signature_problem(value, folder)
+
+
+def absent_files(manifest: dict) -> set[str]:
+    """The files a partial copy's manifest lists but this folder does not hold (see commit())."""
+    return set(manifest.get("absent", []))
 
 
 def manifest_hmac(manifest: dict, key: bytes) -> str:
@@ -346,7 +404,8 @@ def verify(folder: Path, full: bool = True) -> str | None:
     problem = manifest_problem(manifest, folder.name)
     if problem:
         return problem
-    files = sorted(manifest["files"].items())
+    absent = absent_files(manifest)
+    files = sorted((name, entry) for name, entry in manifest["files"].items() if name not in absent)
     # hashlib lets go of the GIL: the files hash side by side (model and optimizer state, say).
     workers = min(len(files), os.cpu_count() or 1) if full else 1
     with ThreadPoolExecutor(max_workers=max(workers, 1)) as pool:
@@ -447,9 +506,13 @@ def discard(folder: Path) -> None:
 
 
 def remove_staging_leftovers(root: Path) -> None:
-    """Staging folders of a writer that died mid-save; never a checkpoint, safe to drop."""
-    if Path(root).is_dir():
-        for path in Path(root).glob(f"{STAGING_PREFIX}*"):
+    """Staging folders of a writer that died mid-save, and step folders whose manifest is gone (a
+    prune or discard cut short: the manifest goes first); never a checkpoint, safe to drop."""
+    if not Path(root).is_dir():
+        return
+    for path in Path(root).iterdir():
+        uncommitted = parse_step(path.name) is not None and not (path / MANIFEST).exists()
+        if path.name.startswith(STAGING_PREFIX) or (uncommitted and path.is_dir()):
             _remove_tree(path)
 
 

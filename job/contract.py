@@ -109,7 +109,9 @@ LOGS_PREFIX = "logs/"             # logs/attempt-NNNN-POD/NNNNNNNN.log
 #   preloaded   seconds (torch's import in torchrun's worker, while   preload.py (rank 0)
 #               the pod syncs data, takes the lease and restores)
 #   lease       state ("held" | "off" | "complete"), waited (held)   lease.py
-#   restore     step, name (restored; null: the trainer starts at 0)  restore.py
+#   restore     step, name (restored; null: the trainer starts at 0),  restore.py
+#               bytes (of the checkpoint on this node's disk), absent (its files a node of a group
+#               did not fetch: other ranks' shards, --ranks)
 #   uploaded    step, name, bytes, seconds (committed in S3)          uploader.py
 #   complete    state ("writing" | "written"), step                  uploader.py
 #   exit        code, seconds                                        script.sh, last line

@@ -8,7 +8,8 @@ and judged in one place (manifest_of) by every reader.
 
     committed(s3, ckpts, retry)              step folders S3 lists, newest first
     manifest_of(s3, ckpts, name, retry)      (manifest, problem), judged
-    fetch(s3, ckpts, name, manifest, local_root, retry)   download, verify, commit locally
+    fetch(s3, ckpts, name, manifest, local_root, retry, ranks)   download, verify, commit locally
+    ranks_files(manifest, ranks)             a sharded step's files some ranks read (pure)
     put_checkpoint(s3, ckpts, name, handles, manifest_bytes, write, still_ours, copies)
     uncommit(s3, ckpts, name, write)         its manifest goes: no longer committed
     to_prune(listed, keep, ours)             which steps retention removes (pure)
@@ -63,18 +64,24 @@ def manifest_of(s3, ckpts: Location, name: str, retry) -> tuple[dict | None, str
 
 # -- fetching ----------------------------------------------------------------------------------
 
-def fetch(s3, ckpts: Location, name: str, manifest: dict, local_root: Path, retry) -> str | None:
+def fetch(s3, ckpts: Location, name: str, manifest: dict, local_root: Path, retry,
+          ranks: tuple[int, int, int] | None = None) -> str | None:
     """Download and verify one checkpoint whose manifest passed manifest_of; None when committed
-    under local_root/name, else what was wrong."""
+    under local_root/name, else what was wrong. ranks (first, count, world size): of a sharded
+    step saved at that world size, only the files those ranks read (ranks_files); the local
+    manifest lists the others as absent."""
     where, final = ckpts.child(name), local_root / name
     files = manifest["files"]
     problem = size_problem(files, listed_sizes(s3, where, retry))
     if problem:
         return problem
-    size = sum(entry["size"] for entry in files.values())
+    wanted = ranks_files(manifest, ranks) if ranks else None
+    fetched = {n: e for n, e in files.items() if wanted is None or n in wanted}
+    size = sum(entry["size"] for entry in fetched.values())
     final.parent.mkdir(parents=True, exist_ok=True)
     check_room(final, size)
-    log("restore", f"restoring {final.name}: {len(files)} files, {size / 1e6:.1f} MB")
+    whose = f" (the files ranks {ranks[0]}..{ranks[0] + ranks[1] - 1} read)" if wanted is not None else ""
+    log("restore", f"restoring {final.name}: {len(fetched)} of {len(files)} files, {size / 1e6:.1f} MB{whose}")
     started = time.monotonic()
 
     def fetch_and_check(file_name: str, entry: dict) -> str | None:
@@ -90,10 +97,10 @@ def fetch(s3, ckpts: Location, name: str, manifest: dict, local_root: Path, retr
 
     try:
         with checkpoint.stage(final) as staged:
-            problem = side_by_side(fetch_and_check, sorted(files.items()))
+            problem = side_by_side(fetch_and_check, sorted(fetched.items()))
             if problem:
                 return problem
-            staged.commit(meta=manifest.get("meta"))
+            staged.commit(meta=manifest.get("meta"), files=files, absent=sorted(set(files) - set(fetched)))
     except OSError as err:  # staging folder, manifest, renames: this checkpoint cannot be had here
         if err.errno in checkpoint.NO_ROOM:
             raise s3lib.BadInput(f"restore: {s3lib.explain(err, ckpts.bucket)}") from None
@@ -102,6 +109,22 @@ def fetch(s3, ckpts: Location, name: str, manifest: dict, local_root: Path, retr
     log("restore", f"restored {final.name}: {size / 1e6:.1f} MB in {took:.1f}s "
                    f"({size / 1e6 / max(took, 1e-3):.0f} MB/s), verified against its manifest")
     return None
+
+
+def ranks_files(manifest: dict, ranks: tuple[int, int, int]) -> set[str] | None:
+    """The files ranks first..first+count-1 of a group of `world` read, when the manifest is of a
+    sharded step saved at that world size (train.py under FSDP: meta "shards"); else None, all of
+    them. The manifest is judged already; what its meta says is checked here."""
+    first, count, world = ranks
+    shards = manifest.get("meta", {}).get("shards")
+    if not isinstance(shards, dict) or shards.get("world_size") != world:
+        return None
+    reads, common, files = shards.get("reads"), shards.get("common"), manifest["files"]
+    if not (isinstance(reads, list) and len(reads) == world and isinstance(common, list)
+            and all(isinstance(r, list) for r in reads)):
+        return None
+    wanted = set(common).union(*reads[first:first + count])
+    return wanted if all(isinstance(n, str) and n in files for n in wanted) else None
 
 
 def listed_sizes(s3, where: Location, retry) -> dict[str, int]:

@@ -1,6 +1,10 @@
 """Bring back the newest committed checkpoint from S3, and only that one.
 
-    python restore.py S3_OUTPUT_URI OUTPUT_DIR [--step NAME]
+    python restore.py S3_OUTPUT_URI OUTPUT_DIR [--step NAME] [--ranks FIRST:COUNT:WORLD]
+
+--ranks: this node runs ranks FIRST..FIRST+COUNT-1 of WORLD (a group). A sharded step (train.py
+under FSDP) saved at that world size comes down in part: the files those ranks read, and the
+ones every rank reads; the local manifest names the rest as absent. Any other step comes whole.
 
 --step: that checkpoint and no other (a node of a group takes the step node 0 chose; an empty NAME:
 none, the group starts at step 0). Until it is in S3 it is waited for, up to S3_RETRY_SECONDS: node
@@ -41,7 +45,7 @@ from remote_checkpoints import side_by_side  # noqa: F401 - tests/test_reliabili
 from s3 import Location, log
 
 
-def restore(s3, run: Location, out: Path) -> str | None:
+def restore(s3, run: Location, out: Path, ranks: tuple[int, int, int] | None = None) -> str | None:
     """The name of the checkpoint now committed under OUT/checkpoints, or None."""
     retry = s3lib.retrying("restore", run.bucket, name="restore")
     remote = run.child("checkpoints")
@@ -58,7 +62,7 @@ def restore(s3, run: Location, out: Path) -> str | None:
             log("restore", f"{name} is already here and whole")
             return name
         discard_damaged(local_root / name)
-        problem = remote_checkpoints.fetch(s3, remote, name, manifest, local_root, retry)
+        problem = remote_checkpoints.fetch(s3, remote, name, manifest, local_root, retry, ranks)
         if problem is None:
             return name
         log("restore", f"warning: {name} in S3 is damaged ({problem}); trying the one before it")
@@ -82,7 +86,8 @@ def record_verified(out: Path, name: str) -> None:
         log("restore", f"warning: could not record {name} as verified ({err.strerror}); the trainer hashes it again")
 
 
-def restore_named(s3, run: Location, out: Path, name: str, wait_seconds: float) -> str | None:
+def restore_named(s3, run: Location, out: Path, name: str, wait_seconds: float,
+                  ranks: tuple[int, int, int] | None = None) -> str | None:
     """Exactly the checkpoint NAME, committed under OUT/checkpoints; None for an empty NAME."""
     if not name:
         log("restore", "node 0 starts from step 0: nothing to restore")
@@ -101,7 +106,7 @@ def restore_named(s3, run: Location, out: Path, name: str, wait_seconds: float) 
         if manifest is None and problem is None:
             problem = "not committed in S3 yet"
         if problem is None:
-            problem = remote_checkpoints.fetch(s3, remote, name, manifest, out / "checkpoints", retry)
+            problem = remote_checkpoints.fetch(s3, remote, name, manifest, out / "checkpoints", retry, ranks)
             if problem is None:
                 return name
         if time.monotonic() >= deadline:
@@ -111,22 +116,53 @@ def restore_named(s3, run: Location, out: Path, name: str, wait_seconds: float) 
         time.sleep(5)
 
 
+def parse_ranks(text: str) -> tuple[int, int, int] | None:
+    """FIRST:COUNT:WORLD, or None when it is not that (FIRST + COUNT <= WORLD, COUNT >= 1)."""
+    parts = text.split(":")
+    if len(parts) != 3 or not all(p.isascii() and p.isdigit() for p in parts):
+        return None
+    first, count, world = map(int, parts)
+    return (first, count, world) if count >= 1 and first + count <= world else None
+
+
+def parse_args(argv: list[str]) -> tuple[list[str], dict] | None:
+    """(positional, {"--step": NAME, "--ranks": (first, count, world)}), or None for bad usage."""
+    positional, options = argv[:2], {}
+    rest = argv[2:]
+    if len(positional) != 2 or len(rest) % 2:
+        return None
+    for flag, value in zip(rest[::2], rest[1::2]):
+        if flag not in ("--step", "--ranks") or flag in options:
+            return None
+        options[flag] = value if flag == "--step" else parse_ranks(value)
+        if options[flag] is None:
+            return None
+    return positional, options
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) not in (2, 4) or (len(argv) == 4 and argv[2] != "--step"):
-        print("usage: restore.py S3_OUTPUT_URI OUTPUT_DIR [--step NAME]", file=sys.stderr)
+    parsed = parse_args(argv)
+    if parsed is None:
+        print("usage: restore.py S3_OUTPUT_URI OUTPUT_DIR [--step NAME] [--ranks FIRST:COUNT:WORLD]", file=sys.stderr)
         return contract.EXIT_BAD_INPUT
+    (uri, output_dir), options = parsed
 
     def run() -> int:
-        run_uri, out = Location.parse(argv[0]), Path(argv[1])
-        if len(argv) == 4:
+        run_uri, out = Location.parse(uri), Path(output_dir)
+        ranks = options.get("--ranks")
+        if "--step" in options:
             wait = float(os.environ.get("S3_RETRY_SECONDS") or 600)
-            name = restore_named(s3lib.client(), run_uri, out, argv[3], wait)
+            name = restore_named(s3lib.client(), run_uri, out, options["--step"], wait, ranks)
         else:
-            name = restore(s3lib.client(), run_uri, out)
+            name = restore(s3lib.client(), run_uri, out, ranks)
         if name and os.environ.get("RESTORE_VERIFIED_FILE"):
             record_verified(out, name)
+        manifest = (checkpoint.read_manifest(out / "checkpoints" / name) if name else None) or {"files": {}}
+        absent = checkpoint.absent_files(manifest)
+        held = sum(e["size"] for n, e in manifest["files"].items() if n not in absent)
         # The step the trainer goes on from (null: step 0); tools wait on this, not the prose.
-        contract.event("restore", "restore", step=checkpoint.parse_step(name) if name else None, name=name)
+        contract.event("restore", "restore", step=checkpoint.parse_step(name) if name else None, name=name,
+                       bytes=held, absent=sorted(absent))
         return 0
 
     return s3lib.main_guard("restore", run)

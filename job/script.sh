@@ -702,8 +702,19 @@ stop_uploader() {
   UPLOADER_PID=""
 }
 
+# In a group each node restores, of a sharded checkpoint (train.parallelism: fsdp) saved by as
+# many processes, only the files its own ranks read: NODE_RANK's block of NPROC_PER_NODE ranks.
+# torch orders the nodes by name, so a node may get another block; its trainer then takes what it
+# lacks from a peer (code/sharded.py).
+restore_ranks() {
+  ((NNODES > 1)) || return 0
+  printf '%s\n' --ranks "$((NODE_RANK * NPROC_PER_NODE)):${NPROC_PER_NODE}:$((NNODES * NPROC_PER_NODE))"
+}
+
 restore_checkpoint() {
-  run_child "${PYTHON}" "${JOB_DIR}/restore.py" "${S3_OUTPUT_URI}" "${OUTPUT_DIR}"
+  local ranks
+  mapfile -t ranks < <(restore_ranks)
+  run_child "${PYTHON}" "${JOB_DIR}/restore.py" "${S3_OUTPUT_URI}" "${OUTPUT_DIR}" "${ranks[@]}"
 }
 
 # -- the group (NNODES > 1): node 0 chooses the checkpoint, the others take it -------------------
@@ -763,7 +774,9 @@ wait_for_node0_finish() {
 }
 
 restore_chosen_step() {
-  run_child "${PYTHON}" "${JOB_DIR}/restore.py" "${S3_OUTPUT_URI}" "${OUTPUT_DIR}" --step "${RESTORE_STEP}"
+  local ranks
+  mapfile -t ranks < <(restore_ranks)
+  run_child "${PYTHON}" "${JOB_DIR}/restore.py" "${S3_OUTPUT_URI}" "${OUTPUT_DIR}" --step "${RESTORE_STEP}" "${ranks[@]}"
 }
 
 # One id per run: pods of another run on the same endpoint never join this rendezvous.

@@ -134,6 +134,7 @@ class Uploader:
         self.whole_sent: dict[str, tuple[int, int]] = {}  # key -> (size, mtime) of what went up whole
         self.retention_checked = False
         self.remote: dict[str, dict | None] = {}  # checkpoint name -> its manifest's files in S3
+        self.partial_seen: set[str] = set()  # partial local copies already warned of
         self.keeper: Keeper | None = None
         self.attempt: dict = {}
         self.attempts: list[dict] = []
@@ -197,6 +198,12 @@ class Uploader:
             return False  # pruned by the trainer meanwhile: a newer one exists
         manifest = json.loads(manifest_bytes)
         if self.remote_files(folder.name) == manifest["files"]:
+            return False
+        if checkpoint.absent_files(manifest):  # a node's part of a step restored from S3: never uploaded
+            if folder.name not in self.partial_seen:
+                self.partial_seen.add(folder.name)
+                log("uploader", f"warning: {folder.name} here holds only this node's shard files and S3 no "
+                                "longer has it whole; it is not uploaded")
             return False
         handles = _open_all(folder, manifest["files"])
         if handles is None:

@@ -32,6 +32,14 @@ KEYS: dict[str, tuple[str, tuple[str, str, float] | None]] = {
     "upload_bytes_per_interval": ("bytes", ("ratio", LE, 1.2)),
     "idle_requests_per_interval": ("requests", ("value", LE, 1.0)),
     "s3torchconnector": ("version", None),
+    # train.parallelism: fsdp (lab/bench_fsdp.py)
+    "fsdp_state_bytes_per_rank": ("bytes", ("ratio", LE, 0.6)),
+    "fsdp_peak_rss_per_rank_mb": ("MB", None),
+    "fsdp_stall_toolkit_s": ("s", None),
+    "fsdp_stall_dcp_async_s": ("s", None),
+    "fsdp_to_s3_s": ("s", None),
+    "fsdp_restore_s": ("s", None),
+    "fsdp_restore_bytes_per_node": ("bytes", ("ratio", LE, 0.6)),
 }
 
 

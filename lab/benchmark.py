@@ -4,10 +4,12 @@
 
 all: every key of lab/bench_report.py's KEYS, each beside its floor measured in the same run, as one
 JSON object ({key: {value, unit, floor, ratio, aim, meets_aim, how, detail}}, machine, started_at),
-in four parts: transfer (lab/bench_transfer.py: restore and upload against s5cmd, the disk, plain
+in five parts: transfer (lab/bench_transfer.py: restore and upload against s5cmd, the disk, plain
 GETs and s3torchconnector; the watcher's lag), stall (checkpoint_stall below), pod
-(lab/bench_pod.py: SIGTERM to exit, pod start to the first resumed step, SIGKILL to training) and
-growth (lab/bench_growth.py: bytes and requests per upload interval). --quick: a 100 MB checkpoint,
+(lab/bench_pod.py: SIGTERM to exit, pod start to the first resumed step, SIGKILL to training),
+growth (lab/bench_growth.py: bytes and requests per upload interval) and fsdp (lab/bench_fsdp.py:
+memory per rank under DDP and FSDP, sharded saves' stall, time to S3 and restore beside
+s3torchconnector's DCP writer and reader, restore bytes per node). --quick: a 100 MB checkpoint,
 3 repetitions, small models (about 4 minutes on 2 loaded cores); full: 1.5 GB, 5 repetitions, the
 stall model below and a pod of GPT-2 124M's shape. A part that fails leaves its keys null with the
 reason in `how`; the others still run.
@@ -264,7 +266,7 @@ def measure_restart(s3, endpoint: str) -> None:
     print(f"  plain `aws s3 cp` of the same checkpoint: {raw:.1f} s; restore/raw = {phases['restore checkpoint'] / raw:.2f}")
 
 
-PARTS = ("transfer", "stall", "pod", "growth")
+PARTS = ("transfer", "stall", "pod", "growth", "fsdp")
 
 
 def bench_all(quick: bool, only: list[str], after_each=lambda figures: None) -> dict[str, dict]:
@@ -344,7 +346,14 @@ def growth_figures(_s3, endpoint: str, folder: Path, quick: bool) -> dict[str, d
     }
 
 
-PART_RUNNERS = {"transfer": transfer_figures, "stall": stall_figures, "pod": pod_figures, "growth": growth_figures}
+def fsdp_figures(s3, endpoint: str, folder: Path, quick: bool) -> dict[str, dict]:
+    import bench_fsdp
+
+    return bench_fsdp.measure(s3, endpoint, folder, quick)
+
+
+PART_RUNNERS = {"transfer": transfer_figures, "stall": stall_figures, "pod": pod_figures, "growth": growth_figures,
+                "fsdp": fsdp_figures}
 PART_KEYS = {
     "transfer": ("restore_vs_s5cmd", "restore_vs_disk_floor", "restore_vs_get_floor", "restore_vs_s3torchconnector",
                  "upload_vs_s5cmd", "upload_vs_s3torchconnector", "upload_lag_p95_s", "s3torchconnector"),
@@ -352,6 +361,8 @@ PART_KEYS = {
     "pod": ("sigterm_to_exit_s", "pod_start_to_first_step_s", "pod_start_to_first_step_minus_bare_torchrun_s",
             "kill_to_training_s"),
     "growth": ("upload_bytes_per_interval", "idle_requests_per_interval"),
+    "fsdp": ("fsdp_state_bytes_per_rank", "fsdp_peak_rss_per_rank_mb", "fsdp_stall_toolkit_s", "fsdp_stall_dcp_async_s",
+             "fsdp_to_s3_s", "fsdp_restore_s", "fsdp_restore_bytes_per_node"),
 }
 
 

@@ -41,12 +41,41 @@ def events_of(output: str, kind: str | None = None) -> list[dict]:
     return [e for e in map(contract.parse_event, output.splitlines()) if e and kind in (None, e["event"])]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (parents before their children)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """`sig` to a process and every process below it, all found before any is signalled: torchrun
+    starts each worker in a session of its own, so a signal to torchrun's process group alone
+    left the workers training on (and a "SIGKILLed" run finished its steps)."""
+    for target in [pid, *descendants(pid)]:
+        try:
+            os.kill(target, sig)
+        except ProcessLookupError:
+            pass
+
+
 def run_until(command: list[str], stop_when: str | Callable[[str], bool] | None = None, send: int = signal.SIGKILL,
               delay: float = 0.0, env: dict | None = None, timeout: float = 300,
               group: bool = False) -> tuple[int, str]:
     """Run a command; if a line containing `stop_when` appears (or one it accepts, if a function:
-    on_event), wait `delay` s and send the signal (SIGKILL, or any signal with `group`, to its whole
-    process group, as torchrun stops its workers; else to the process). Returns (exit code, output)."""
+    on_event), wait `delay` s and send the signal (SIGKILL: to every process of the run, torchrun's
+    workers included; any other signal with `group`: to its process group, as a pod's runtime
+    signals torchrun; else to the process). Returns (exit code, output)."""
     if isinstance(stop_when, str):
         text = stop_when
         stop_when = lambda line: text in line  # noqa: E731
@@ -59,9 +88,12 @@ def run_until(command: list[str], stop_when: str | Callable[[str], bool] | None 
         if stop_when and not signalled and stop_when(line):
             time.sleep(delay)
             signalled = True
-            os.killpg(proc.pid, send) if send == signal.SIGKILL or group else proc.send_signal(send)
+            if send == signal.SIGKILL:
+                kill_tree(proc.pid)
+            else:
+                os.killpg(proc.pid, send) if group else proc.send_signal(send)
         if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             raise TimeoutError("".join(lines[-30:]))
     return proc.wait(), "".join(lines)
 

@@ -34,3 +34,18 @@ def test_all_quick_writes_every_key_and_measures_the_parts_it_ran(tmp_path):
         if entry["floor"] is not None:
             assert entry["ratio"] == pytest.approx(entry["value"] / entry["floor"], rel=0.01), key
     assert all("not run" in figures[key]["how"] for key in set(KEYS) - set(ran))
+
+
+def test_the_fsdp_part_measures_every_key_in_its_cpu_mode(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, str(ROOT / "lab" / "benchmark.py"), "all", "--quick", "--json", str(out),
+                             "--only", "fsdp"], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    unmeasured = {key: figures[key]["how"] for key in PART_KEYS["fsdp"] if figures[key]["value"] is None}
+    assert not unmeasured, unmeasured
+    ddp, fsdp = (figures["fsdp_state_bytes_per_rank"]["detail"][mode] for mode in ("ddp", "fsdp"))
+    assert [r["weights"] for r in fsdp] == [sum(r["weights"] for r in fsdp) // 2] * 2, "each rank holds half"
+    assert sum(r["weights"] for r in fsdp) == ddp[0]["weights"], "the same model"
+    nodes = figures["fsdp_restore_bytes_per_node"]["detail"]
+    assert sum(nodes["node_bytes"]) < nodes["whole_bytes"] * 1.1, "the shared files are small"

@@ -411,6 +411,8 @@ BAD_RUNS = [
      "has no 'text' field (it has: body); add it, or set data.text_field"),
     ("too little data", lambda lab, tmp: ["--set", "data.block_size=100000"],
      "fewer than data.block_size (100000)"),
+    ("fsdp on a cpu", lambda lab, tmp: ["--set", "train.parallelism=fsdp"],
+     "train.parallelism: fsdp needs GPUs (accelerate shards a Trainer's model only across GPUs"),
 ]
 
 

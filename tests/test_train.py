@@ -62,6 +62,7 @@ def kill_and_restart_until_done(command, seed: int, kills: int) -> list[str]:
         code, output = run_until(command, stop_when=on_event("step", step=step), delay=rng.uniform(0, 0.05))
         outputs.append(output)
         assert code in (-signal.SIGKILL, 0), output
+        assert code == 0 or not events_of(output, "done"), "a killed run trains no further (its workers too)"
     code, output = run_until(command)
     outputs.append(output)
     assert code == 0, output

@@ -44,7 +44,7 @@ def same(a, b) -> bool:
 def saved(obj) -> bytes:
     """torch.save's bytes of `obj`, with no CRC-32, as write_step saves."""
     buffer = io.BytesIO()
-    with async_save._without_crc32():
+    with async_save.without_crc32():
         torch.save(obj, buffer)
     return buffer.getvalue()
 

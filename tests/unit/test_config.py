@@ -27,6 +27,7 @@ CONFIG_ERRORS = [
     ("min lr above lr", "train:\n  min_lr: 1.0\n", "train.min_lr must be between 0 and train.learning_rate"),
     ("negative warmup", "train:\n  warmup_steps: -1\n", "train.warmup_steps must be 0 or more"),
     ("beta", "train:\n  beta2: 1.0\n", "train.beta2 must be in [0, 1)"),
+    ("parallelism", "train:\n  parallelism: zero3\n", "train.parallelism must be one of ddp, fsdp, got 'zero3'"),
     ("eval not multiple", "eval:\n  interval: 15\ncheckpoint:\n  interval: 10\n", "eval.interval (15) must be a multiple of checkpoint.interval (10)"),
     ("keep zero", "checkpoint:\n  keep: 0\n", "checkpoint.keep must be at least 1"),
     ("dtype", "system:\n  dtype: fp8\n", "system.dtype must be bfloat16 or float32"),

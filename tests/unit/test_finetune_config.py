@@ -25,6 +25,7 @@ SETTINGS_ERRORS = [
     ("method", "model:\n  method: qlora\n", "model.method must be lora or full"),
     ("dtype", "model:\n  dtype: fp8\n", "model.dtype must be bfloat16 or float32"),
     ("scheduler", "train:\n  lr_scheduler: step\n", "train.lr_scheduler must be one of cosine, linear"),
+    ("parallelism", "train:\n  parallelism: deepspeed\n", "train.parallelism must be one of ddp, fsdp, got 'deepspeed'"),
     ("lora dropout", "lora:\n  dropout: 1.0\n", "lora.dropout must be in [0, 1)"),
     ("no target modules", "lora:\n  target_modules: ' , '\n", "lora.target_modules must name modules"),
     ("block size", "data:\n  block_size: 1\n", "data.block_size must be at least 2"),
@@ -98,12 +99,47 @@ def test_the_same_step_saved_twice_keeps_its_first_commit(tmp_path):
     assert not again.exists()
 
 
-def test_a_save_with_folders_is_refused_and_leaves_nothing_committed(tmp_path):
+def test_an_fsdp_save_commits_its_folders_files_flat_and_resumes_as_the_trainer_saved_it(tmp_path):
+    shards = {"__0_0.distcp": b"rank 0", "__1_0.distcp": b"rank 1", ".metadata": b"index"}
+    source = trainer_save(tmp_path, 3, {"rng_state_0.pth": b"r0", "rng_state_1.pth": b"r1", "trainer_state.json": b"{}"})
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+        (source / folder).mkdir()
+        for name, data in shards.items():
+            (source / folder / name).write_bytes(folder.encode() + data)
+    final = hf_resume.commit_trainer_save(source, tmp_path / "checkpoints", 3, {"step": 3})
+    manifest = checkpoint.read_manifest(final)
+    assert "pytorch_model_fsdp_0~__1_0.distcp" in manifest["files"] and checkpoint.verify(final) is None
+    assert manifest["meta"]["nested"]["optimizer_0~.metadata"] == "optimizer_0/.metadata"
+    view = hf_resume.trainer_view(final)
+    assert view.name.startswith(".staging-resume-step-00000003-")
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+        for name, data in shards.items():
+            assert (view / folder / name).read_bytes() == folder.encode() + data
+            assert (view / folder / name).stat().st_ino == (final / f"{folder}~{name}").stat().st_ino, "a link"
+    assert (view / "rng_state_1.pth").read_bytes() == b"r1"
+    checkpoint.remove_staging_leftovers(tmp_path / "checkpoints")
+    assert not view.exists() and checkpoint.verify(final) is None, "the next start drops the view, not the step"
+
+
+def test_a_save_with_folders_in_folders_is_refused_and_leaves_nothing_committed(tmp_path):
     source = trainer_save(tmp_path, 3, {"a.bin": b"a"})
-    (source / "pytorch_model_fsdp_0").mkdir()
-    with pytest.raises(hf_resume.CheckpointLayoutError, match="sharded FSDP/DeepSpeed"):
+    (source / "pytorch_model_fsdp_0" / "deeper").mkdir(parents=True)
+    with pytest.raises(hf_resume.CheckpointLayoutError, match="holds a folder"):
         hf_resume.commit_trainer_save(source, tmp_path / "checkpoints", 3, {})
     assert checkpoint.committed_steps(tmp_path / "checkpoints") == []
+
+
+def test_a_view_is_built_only_from_folder_slash_name_maps(tmp_path):
+    source = trainer_save(tmp_path, 3, {"a.bin": b"a"})
+    (source / "model").mkdir()
+    (source / "model" / "x").write_bytes(b"x")
+    final = hf_resume.commit_trainer_save(source, tmp_path / "checkpoints", 3, {})
+    manifest = checkpoint.read_manifest(final)
+    manifest["meta"]["nested"]["model~x"] = "../../escaped"
+    (final / "manifest.json").write_text(__import__("json").dumps(manifest))
+    with pytest.raises(hf_resume.CheckpointLayoutError, match="not FOLDER/NAME"):
+        hf_resume.trainer_view(final)
+    assert not (tmp_path / "escaped").exists()
 
 
 def rotate_trainer_checkpoints(output_dir: Path) -> None:
@@ -186,3 +222,16 @@ def test_resume_checks_the_folder_the_pods_restore_hashed_by_size_only(tmp_path,
     assert hf_resume.newest_committed(tmp_path) == newest
     monkeypatch.delenv("RESTORE_VERIFIED_FILE")
     assert hf_resume.newest_committed(tmp_path) == root / "step-00000005", "hashed in full: the damage seen"
+
+
+@pytest.mark.parametrize("parallelism,cuda,problem", [
+    ("ddp", False, None), ("fsdp", True, None),
+    ("fsdp", False, "train.parallelism: fsdp needs GPUs (accelerate shards a Trainer's model only across GPUs; on "
+                    "CPU it would train with DDP instead); set train.parallelism: ddp"),
+])
+def test_a_trainer_is_sharded_only_on_gpus_and_says_so_on_a_cpu(parallelism, cuda, problem):
+    assert finetune.parallelism_problem(parallelism, cuda) == problem
+    arguments = finetune.fsdp_arguments(parallelism)
+    assert (arguments["fsdp_config"]["state_dict_type"] == "SHARDED_STATE_DICT") if parallelism == "fsdp" \
+        else arguments == {}
+
