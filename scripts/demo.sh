@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole story on one machine, no cluster and no AWS account needed:
+# The whole story on one machine, no cluster and no AWS account needed.
 #
+# Usage:
 #   ./scripts/demo.sh              one pod
 #   ./scripts/demo.sh --nodes 2    a group of 2 pods (an Indexed Job), 1 process each
 #
@@ -73,9 +74,13 @@ pod() {
     "${ROOT}/job.yaml" 2>&1 | tee "${DEMO}/pod-${number}.log"
 }
 
+# The header comment above is the help.
+help() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
+
 parse_args() {
   while (($#)); do
     case "$1" in
+      -h | --help) help; exit 0 ;;
       --nodes)
         [[ "${2:-}" =~ ^[1-9]$ ]] || die "--nodes takes a number of pods from 1 to 9, e.g. --nodes 2"
         NODES=$2

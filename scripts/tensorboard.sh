@@ -122,8 +122,20 @@ has_option() {
   return 1
 }
 
+readonly USAGE="usage: scripts/tensorboard.sh S3_URI [tensorboard args...]"
+
+# The usage, then the header comment above.
+help() {
+  printf '%s\n\n' "${USAGE}"
+  sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+}
+
 main() {
-  [[ $# -ge 1 && "$1" != -* ]] || die "${EXIT_BAD_INPUT}" "usage: scripts/tensorboard.sh S3_URI [tensorboard args...]"
+  if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+    help
+    return 0
+  fi
+  [[ $# -ge 1 && "$1" != -* ]] || die "${EXIT_BAD_INPUT}" "${USAGE} (--help says more)"
   local uri endpoint keys tensorboard
   uri=$(check_uri "$1")
   shift
