@@ -265,14 +265,16 @@ check_no_overlap() {
 
 # A newline in a URI or an endpoint would reach S3 calls and log lines as it is; TRAIN_ARGS alone
 # may hold newlines and tabs (they separate its words). A secret's bytes are its own (never shown).
+# Bytes, not letters (LC_ALL=C): C0 and DEL, and the C1 controls as UTF-8 encodes them (\xc2\x80-\x9f).
 check_no_control_characters() {
-  local name value shown_value LC_ALL=C
+  local name value shown_value LC_ALL=C c1=$'\xc2'[$'\x80'-$'\x9f']
   for name in "${SETTINGS[@]}" "${CONTROLLER_SETTINGS[@]}"; do
     [[ -v "${name}" && "${name}" != CHECKPOINT_HMAC_KEY ]] || continue
     value=${!name}
     [[ "${name}" != TRAIN_ARGS ]] || value=${value//[$'\n\t']/ }
-    [[ "${value}" == *[[:cntrl:]]* ]] || continue
+    [[ "${value}" == *[[:cntrl:]]* || "${value}" == *${c1}* ]] || continue
     shown_value=${value//[[:cntrl:]]/?}
+    shown_value=${shown_value//${c1}/?}
     die "${EXIT_BAD_INPUT}" "${name}=$(shown "${shown_value}") holds a control character (shown as ?; a newline or an escape, often pasted); fix it in job.yaml"
   done
 }

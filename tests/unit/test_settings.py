@@ -85,6 +85,7 @@ BAD = [
     ("TRAIN_SCRIPT", "train\x1b[2J.py", "TRAIN_SCRIPT=train?[2J.py holds a control character"),
     ("TRAIN_ARGS", "--set a=1\x1b]0;pwned\x07", "TRAIN_ARGS=--set a=1?]0;pwned? holds a control character"),
     ("LEASE_TTL_SECONDS", "30\n", "LEASE_TTL_SECONDS=30? holds a control character"),
+    ("S3_OUTPUT_URI", "s3://bucket/runs/\u009b2Jr/", "S3_OUTPUT_URI=s3://bucket/runs/?2Jr/ holds a control character"),
 ]
 
 
