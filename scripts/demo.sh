@@ -207,10 +207,10 @@ def events(log, kind):
     return [e for e in map(contract.parse_event, log.read_text(errors="replace").splitlines()) if e and e["event"] == kind]
 
 complete = json.loads((demo / "outputs" / "COMPLETE").read_text())
-logs = sorted(demo.glob("pod-*.log"), key=lambda p: p.stat().st_mtime)
-restored = [e["name"] for log in logs for e in events(log, "restore") if e.get("name")]
-uploaded = sorted({e["step"] for log in logs for e in events(log, "uploaded") if isinstance(e.get("step"), int)})
+uploaded = sorted({e["step"] for log in demo.glob("pod-*.log") for e in events(log, "uploaded")
+                   if isinstance(e.get("step"), int)})
 if nodes == 1:
+    restored = [e["name"] for e in events(demo / "pod-2.log", "restore")]
     print("Pod 1 trained from step 0, and each checkpoint it committed went to S3 within seconds.")
     print(f"Once step {kill_at} was in S3, its node was lost: SIGKILL, nothing saved on the way out, as when "
           "a machine dies.")
@@ -218,13 +218,19 @@ if nodes == 1:
           f"(the newest checkpoint committed in S3) and trained on to step {complete['steps']}, with the same "
           "command as the first.")
 else:
+    later = sorted(demo.glob("pod-*-*.log"))
+    again = [log for log in later if not log.stem.endswith("-1")]
+    restored = {e["name"] for log in again for e in events(log, "restore") if e.get("name")}
     print(f"A group of {nodes} pods trained from step 0; node 0 put each committed checkpoint in S3.")
-    print(f"Once step {kill_at} was in S3, the node of pod 1 was lost; its peers stopped (exit 138), and the Job "
-          f"brought the whole group back, which resumed from {restored[-1] if restored else 'nothing'} and trained "
-          f"on to step {complete['steps']}.")
+    print(f"Once step {kill_at} was in S3, the node of pod 1 was lost (SIGKILL). The Job ran {len(later)} pods in "
+          f"all ({len(again)} replacement{'s' if len(again) != 1 else ''})"
+          + (f"; the group resumed from {', '.join(sorted(restored))}." if restored else
+             "; none had to resume from S3 (training had reached its last step)."))
 best = complete.get("best_val_loss")
+attempts = complete["attempts"]
 print(f"S3 got the checkpoints of steps {', '.join(map(str, uploaded))}; COMPLETE says {complete['steps']} steps "
-      f"in {complete['attempts']} attempts, {complete['wall_seconds']:.0f} s of pod time"
+      f"in {attempts} attempt{'s' if attempts != 1 else ''}{' of node 0' if nodes > 1 else ''}, "
+      f"{complete['wall_seconds']:.0f} s of pod time"
       + (f", best validation loss {best:.4f} at step {complete['best_step']}." if best is not None else "."))
 EOF
 }

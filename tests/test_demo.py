@@ -54,7 +54,7 @@ def test_the_demo_tells_its_story_says_what_happened_and_keeps_s3_for_a_tour(tmp
         assert "Once step 10 was in S3, its node was lost" in happened
         assert re.search(r"restored step-000000[12]0 \(the newest checkpoint committed in S3\) and trained on to "
                          r"step 20", happened)
-        assert "COMPLETE says 20 steps in 2 attempts" in happened
+        assert "COMPLETE says 20 steps in 2 attempts, " in happened
         assert tour, result.stdout[-2000:]
         commands = [line.strip() for line in tour[2].splitlines() if line.strip()]
         assert tour[1] == (tmp_path / "demo" / "s3.pid").read_text().strip()
