@@ -22,12 +22,13 @@ States:
     interrupted  the last pod was stopped (SIGTERM or SIGINT, exit 143 or 130); the next one resumes
     incomplete   the last pod ended with 0 but COMPLETE is missing; the next pod writes it
     unknown      checkpoints but no status.json (a run the uploader never reported)
-    unreadable   its status.json, COMPLETE or newest manifest is not what the pod writes (too big,
-                 nested too deep, not JSON, a field of another type): why, on stderr and in --json
-                 as "problem"; the other runs show as usual
+    unreadable   its status.json or COMPLETE is not what the pod writes (too big, nested too
+                 deep, not JSON, a field of another type): why, under the table and as "problem"
+                 (--json); the other runs show as usual. A damaged newest manifest is skipped, as
+                 the pod skips it
 
 A failed attempt shows the pod's last error line (status.json keeps it): under the table for a
-failed run, in the ERROR column for one run.
+failed run; for one run, under its attempts.
 
 --json prints a list of runs with the same fields (one object, with attempt_history, for one run).
 
@@ -278,10 +279,9 @@ def _summary(store: Store, run: RunFiles, bucket: str, stale_after: float, name:
     complete = Fields(store.read_json(run.prefix + "COMPLETE") if finished else None, "COMPLETE")
     progress = status.group("progress")
     newest = max(run.committed, default=None)
-    meta = Fields(None, "manifest.json meta")
+    meta = {}
     if newest is not None and progress.count("max_steps") is None:  # no trainer report: ask the checkpoint
-        key = f"{run.prefix}{CHECKPOINTS}/{checkpoint.step_dir_name(newest)}/{MANIFEST}"
-        meta = Fields(store.read_json(key), "manifest.json").group("meta")
+        meta = manifest_meta(store, f"{run.prefix}{CHECKPOINTS}/{checkpoint.step_dir_name(newest)}/{MANIFEST}")
     heartbeat = status.stamp("heartbeat_at")
     attempts = [attempt_of(a, f"status.json attempts[{i}]") for i, a in enumerate(status.items("attempts"))]
     return {
@@ -289,13 +289,13 @@ def _summary(store: Store, run: RunFiles, bucket: str, stale_after: float, name:
         "uri": f"s3://{bucket}/{run.prefix}",
         "state": state_of(status, attempts, finished, stale_after, now),
         "committed_step": newest,
-        "max_steps": _first(progress.count("max_steps"), meta.count("max_steps"), complete.count("steps")),
+        "max_steps": _first(progress.count("max_steps"), meta.get("max_steps"), complete.count("steps")),
         "step": progress.count("step"),
         "train_loss": _first(progress.real("train_loss"), complete.real("train_loss")),
-        "val_loss": _first(progress.real("val_loss"), complete.real("val_loss"), meta.real("val_loss")),
+        "val_loss": _first(progress.real("val_loss"), complete.real("val_loss"), meta.get("val_loss")),
         "best_val_loss": _first(complete.real("best_val_loss"), progress.real("best_val_loss"),
-                                meta.real("best_val_loss")),
-        "best_step": _first(complete.count("best_step"), progress.count("best_step"), meta.count("best_step")),
+                                meta.get("best_val_loss")),
+        "best_step": _first(complete.count("best_step"), progress.count("best_step"), meta.get("best_step")),
         "tokens_per_sec": progress.amount("tokens_per_sec"),
         "eta_seconds": progress.amount("eta_seconds"),
         "attempts": len(attempts) or complete.count("attempts") or 0,
@@ -308,6 +308,17 @@ def _summary(store: Store, run: RunFiles, bucket: str, stale_after: float, name:
         "problem": None,
         "attempt_history": attempts,
     }
+
+
+def manifest_meta(store: Store, key: str) -> dict:
+    """What the newest checkpoint's manifest says of the run, for a trainer that reports nothing
+    else; nothing when the manifest is damaged: the pod skips such a checkpoint, so does this."""
+    try:
+        meta = Fields(store.read_json(key), "manifest.json").group("meta")
+        return {"max_steps": meta.count("max_steps"), "val_loss": meta.real("val_loss"),
+                "best_val_loss": meta.real("best_val_loss"), "best_step": meta.count("best_step")}
+    except Unreadable:
+        return {}
 
 
 def unreadable_row(run: RunFiles, bucket: str, name: str, problem: str) -> dict:
