@@ -804,20 +804,25 @@ launch_args() {
 trainer_has_check() { [[ "${TRAIN_SCRIPT}" == train.py || "${TRAIN_SCRIPT}" == finetune.py ]]; }
 
 # A typo in TRAIN_CONFIG's file or in TRAIN_ARGS fails the pod here, in one line, before the data,
-# the lease and the GPUs. WORLD_SIZE: the processes of the whole group, as torchrun will start them.
+# the lease and the GPUs: the trainer's 64 (a setting) or argparse's 2 (an argument). Anything else
+# (the check itself broke) is left to the trainer's own start. WORLD_SIZE: the processes of the
+# whole group, as torchrun will start them; PYTHONPATH as torchrun's workers get it.
 check_trainer_settings() {
   local output="${STATE_DIR}/trainer-check.out" code=0 model_args=() line
   [[ -z "${MODEL_DIR}" ]] || model_args=(--model_dir "${MODEL_DIR}")
-  run_child --output "${output}" env WORLD_SIZE=$((NPROC_PER_NODE * NNODES)) "${PYTHON}" \
+  run_child --output "${output}" env WORLD_SIZE=$((NPROC_PER_NODE * NNODES)) \
+    PYTHONPATH="${PYTHONPATH:+${PYTHONPATH}:}${JOB_DIR}" "${PYTHON}" \
     "${CODE_DIR}/${TRAIN_SCRIPT}" --check --config "${CODE_DIR}/${TRAIN_CONFIG}" "${model_args[@]}" \
     --data_dir "${DATA_DIR}" --output_dir "${OUTPUT_DIR}" "${TRAIN_ARGV[@]}" || code=$?
   ((code != 0)) || return 0
   line=$(grep -v '^[[:space:]]*$' "${output}" | tail -n 1)
   if ((code == 2)) && [[ "${line}" == *"unrecognized arguments: --check"* ]]; then
     warn "this ${TRAIN_SCRIPT} has no --check (staged before it had one): its settings are checked when it starts; stage the code again (scripts/stage.sh)"
-    return 0
+  elif ((code == EXIT_BAD_INPUT || code == 2)); then
+    die "${EXIT_BAD_INPUT}" "${TRAIN_SCRIPT} refuses its settings (TRAIN_CONFIG=${TRAIN_CONFIG}, TRAIN_ARGS): ${line#error: }"
+  else
+    warn "${TRAIN_SCRIPT} --check failed (exit ${code}: $(shown "${line}")); its settings are checked when it starts"
   fi
-  die "${EXIT_BAD_INPUT}" "${TRAIN_SCRIPT} refuses its settings (TRAIN_CONFIG=${TRAIN_CONFIG}, TRAIN_ARGS): ${line#error: }"
 }
 
 mark_ready() {
