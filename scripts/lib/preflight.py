@@ -227,10 +227,13 @@ def check_config(staged: Path, where: str, script: str, words: list[str], world_
                "--data_dir", "/nonexistent", "--output_dir", "/nonexistent", *words]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT / "code",
                             env={**os.environ, "WORLD_SIZE": str(world_size)})
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        said.error(f"{script} refuses {where} with TRAIN_ARGS: "
-                   f"{(lines[-1] if lines else 'exit ' + str(result.returncode)).removeprefix('error: ')}")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    last = (lines[-1] if lines else f"exit {result.returncode}").removeprefix("error: ")
+    if result.returncode in (contract.EXIT_BAD_INPUT, 2):  # a setting; an argument argparse refused
+        said.error(f"{script} refuses {where} with TRAIN_ARGS: {last}")
+        return None
+    if result.returncode != 0:  # the check itself broke, as the pod would see it: the trainer says more
+        said.warn(f"{script} --check failed (exit {result.returncode}: {last}); the trainer checks itself when it starts")
         return None
     said.ok(f"{where} with TRAIN_ARGS passes {script} --check for {world_size} process(es)")
     if script != "train.py":
