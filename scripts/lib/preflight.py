@@ -111,7 +111,7 @@ def check_settings(env: dict, said: Findings) -> list[str]:
     except ValueError as err:
         said.error(str(err))
         words = []
-    if not bad:
+    if not said.errors:
         said.ok(f"settings: {len(env)} in the pod's env")
     return words
 
