@@ -158,8 +158,8 @@ class TensorBoard:
                 runs = self.runs()
                 if set(names) <= set(runs):
                     return runs
-            except (urllib.error.URLError, ConnectionError):
-                pass
+            except (urllib.error.URLError, TimeoutError, ConnectionError):
+                pass  # not listening yet, or a slow answer on a loaded machine (as scalars): ask again
             time.sleep(0.25)
         raise AssertionError(f"TensorBoard shows no {names}; output:\n{''.join(self.output)}")
 
