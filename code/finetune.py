@@ -5,6 +5,8 @@ One process:
 Every GPU of one machine (what the pod runs):
     torchrun --standalone --nproc_per_node=4 finetune.py --config config/finetune.yaml --model_dir MODEL ...
 Override single settings with --set group.key=value (e.g. --set model.method=full).
+--check checks the config, the arguments and the libraries alone (no model, no data, no torch): the
+pod runs it first.
 
 MODEL is a folder made by `save_pretrained` or `hf download --local-dir` (config.json, weights,
 tokenizer); nothing is fetched from a hub. DATA is a JSONL file (or a folder with data.train_file,
@@ -441,6 +443,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output_dir", required=True, help="checkpoints/, tensorboard/, progress.json go here")
     parser.add_argument("--set", action="append", default=[], metavar="GROUP.KEY=VALUE",
                         help="override one setting (repeatable)")
+    parser.add_argument("--check", action="store_true",
+                        help="only check the config, these arguments and the libraries: exit 0 or 64")
     return parser.parse_args(argv)
 
 
@@ -461,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.config, args.set)
         check_libraries(settings)
         settings.check_world_size(world_size)
+        if args.check:
+            return 0
         check_model_dir(Path(args.model_dir))
         texts = load_texts(Path(args.data_dir), settings.data)  # bad data fails before any process group
     except ConfigError as err:

@@ -5,6 +5,8 @@ One process (CPU, or one GPU):
 Every GPU of one machine (what the pod runs):
     torchrun --standalone --nproc_per_node=4 train.py --config config/conf.yaml --data_dir DATA --output_dir OUT
 Override single settings with --set group.key=value (e.g. --set train.max_steps=100).
+Check the config and the arguments alone, in a second, without torch or data (the pod does it first):
+    python train.py --check --config config/conf.yaml --data_dir DATA --output_dir OUT [--set ...]
 
 Resume policy: the command is the same on the first start and on every restart; what is in
 OUTPUT_DIR/checkpoints decides. The newest checkpoint that verifies against its manifest is loaded
@@ -37,19 +39,47 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-import checkpoint
 import config
-import trainer_kit
-from async_save import (AsyncSaver, NoSpace, SaveFailed, folder_bytes, folder_mb, link_best, snapshot_bytes,
-                        write_step)
 from config import Config, ConfigError
-from model import GPT
-from trainer_kit import event
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML settings, e.g. config/conf.yaml")
+    parser.add_argument("--data_dir", required=True, help="folder with train.bin and val.bin")
+    parser.add_argument("--output_dir", required=True, help="checkpoints/, tensorboard/ go here")
+    parser.add_argument("--set", action="append", default=[], metavar="GROUP.KEY=VALUE",
+                        help="override one setting (repeatable)")
+    parser.add_argument("--check", action="store_true",
+                        help="only check the config and these arguments (no torch, no data): exit 0 or 64")
+    return parser.parse_args(argv)
+
+
+def check_settings(args: argparse.Namespace) -> int:
+    """--check: the config with its overrides, for WORLD_SIZE processes; one line and 64 when bad."""
+    try:
+        config.load(args.config, args.set).check_world_size(int(os.environ.get("WORLD_SIZE", 1)))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return config.EXIT_BAD_INPUT
+    return 0
+
+
+# Before torch: the pod runs --check first, and torch's import alone takes seconds.
+if __name__ == "__main__" and "--check" in sys.argv[1:]:
+    sys.exit(check_settings(parse_args(None)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import checkpoint  # noqa: E402
+import trainer_kit  # noqa: E402
+from async_save import (AsyncSaver, NoSpace, SaveFailed, folder_bytes, folder_mb, link_best,  # noqa: E402
+                        snapshot_bytes, write_step)
+from model import GPT  # noqa: E402
+from trainer_kit import event  # noqa: E402
 
 EXIT_BAD_INPUT = config.EXIT_BAD_INPUT
 # torch.load(weights_only=True) runs code from a crafted file before 2.6 (CVE-2025-32434), and a
@@ -759,18 +789,10 @@ def report_failure(message: str, rt: Runtime, code: int) -> int:
     return config.report_failure(message, rt.rank, code)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML settings, e.g. config/conf.yaml")
-    parser.add_argument("--data_dir", required=True, help="folder with train.bin and val.bin")
-    parser.add_argument("--output_dir", required=True, help="checkpoints/, tensorboard/ go here")
-    parser.add_argument("--set", action="append", default=[], metavar="GROUP.KEY=VALUE",
-                        help="override one setting (repeatable)")
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.check:
+        return check_settings(args)
     rt = Runtime.from_env()
     try:
         cfg = config.load(args.config, args.set)

@@ -1,10 +1,13 @@
 """The pod's contract, in one place: its exit codes and who decides each, the files the runtime and
 a trainer share, the objects it keeps in S3, and the events a tool may rely on.
 
-    python3 contract.py wait LOG_FILE SECONDS KIND [key=value...]   # for shell tools (demo.sh)
+    python3 contract.py wait [--pid PID] LOG_FILE SECONDS KIND [key=value...]   # for shell tools (demo.sh)
+    python3 contract.py near-misses    # the pod's env names that look like a mistyped setting
 
-waits until LOG_FILE (a pod's output) holds that event, prints it as JSON and exits 0; exit 1
-after SECONDS without it (a pod that died never says it).
+`wait` waits until LOG_FILE (a pod's output) holds that event, prints it as JSON and exits 0; exit 1
+after SECONDS without it, or as soon as process PID (the pod) has ended without it: a pod that died
+never says it. `near-misses` prints one line per name of the environment that is no setting but
+close to one (TRAIN_ARG for TRAIN_ARGS), and exits 0.
 
 job/script.sh mirrors the exit codes as `readonly EXIT_*` (bash cannot import this);
 tests/unit/test_contract.py asserts the two agree. Everything else imports from here.
@@ -15,6 +18,7 @@ Standard library only: the image's python3 reads it before the pod's Python is c
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -86,6 +90,7 @@ TENSORBOARD_DIR = "tensorboard"   # optional
 LEASE_STATE = "lease.json"        # lease.py acquire writes it once held: script.sh knows it holds one
 POD_LOG = "pod.log"
 TRAINER_ERROR = "trainer-error.json"  # TORCHELASTIC_ERROR_FILE: the worker's exit code and message
+POD_ERROR = "last-error.txt"      # script.sh: the pod's last error line; uploader.py keeps it in status.json
 READY_FILE_DEFAULT = "/tmp/ready"     # startup probe: touched once restored
 HEALTH_FILE_DEFAULT = "/tmp/healthy"  # liveness probe: the trainer's heartbeat (train.py: every 2 s)
 # $RESTORE_VERIFIED_FILE (restore-verified-<pod>.json): the checkpoint restore.py just hashed against
@@ -98,9 +103,58 @@ STATUS_KEY = "status.json"        # attempts and state, for status.py (uploader.
 COMPLETE_KEY = "COMPLETE"         # written last of all: the run is finished (a summary in JSON)
 LOGS_PREFIX = "logs/"             # logs/attempt-NNNN-POD/NNNNNNNN.log
 
+# -- the pod's settings ----------------------------------------------------------------------------
+# Every environment variable the pod reads as a setting; job/script.sh's header says what each means
+# and its default, and its `readonly SETTINGS` mirrors this (tests/unit/test_contract.py). A pod's
+# env holds many other names (the image's, Kubernetes' service links): only those that look like a
+# mistyped setting are worth a word.
+
+SETTINGS = (
+    "S3_CODE_URI", "S3_DATA_URI", "S3_OUTPUT_URI", "S3_MODEL_URI", "WORK_DIR", "NPROC_PER_NODE",
+    "TRAIN_SCRIPT", "TRAIN_CONFIG", "TRAIN_ARGS", "SYNC_INTERVAL_SECONDS", "UPLOAD_RETRY_SECONDS",
+    "READY_FILE", "HEALTH_FILE", "HEALTH_MAX_AGE_SECONDS", "AWS_ENDPOINT_URL", "AWS_MAX_ATTEMPTS",
+    "AWS_RETRY_MODE", "S3_RETRY_SECONDS", "S3_LEASE", "LEASE_TTL_SECONDS", "LEASE_WAIT_SECONDS",
+    "S3_SYNC_TOOL", "CHECKPOINT_HMAC_KEY", "EVENTS", "NNODES", "RDZV_ENDPOINT", "RDZV_TIMEOUT_SECONDS",
+)
+SECRET_SETTINGS = ("CHECKPOINT_HMAC_KEY",)  # never shown; its bytes are its own business
+# Read too, but set by a controller, not by hand: the node rank and the operator's rendezvous.
+CONTROLLER_SETTINGS = ("JOB_COMPLETION_INDEX", "PET_NODE_RANK", "RANK", "MASTER_ADDR", "MASTER_PORT")
+EVENTS_CHOICES = ("log", "stdout")  # EVENTS: where the event lines go besides the log (below)
+
+
+def near_misses(names) -> list[tuple[str, str]]:
+    """(name, the setting it looks like) for each name that is no setting but within a typo of one:
+    one edit (two for names of 8 characters or more), letter case aside."""
+    known = set(SETTINGS) | set(CONTROLLER_SETTINGS)
+    found = []
+    for name in sorted(set(names) - known):
+        for setting in SETTINGS:
+            if _edits(name.upper(), setting) <= (2 if len(setting) >= 8 else 1):
+                found.append((name, setting))
+                break
+    return found
+
+
+def _edits(a: str, b: str) -> int:
+    """Optimal string alignment distance: insertions, deletions, substitutions, swaps of neighbours."""
+    if abs(len(a) - len(b)) > 2:
+        return 3  # more than any threshold: not worth the table
+    rows = [list(range(len(b) + 1))]
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(rows[i - 1][j] + 1, row[j - 1] + 1, rows[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], rows[i - 2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
+
+
 # -- events ------------------------------------------------------------------------------------
-# One line each on the pod's output (and so in `kubectl logs` and the log in S3): EVENT_PREFIX and a
-# JSON object with "event", "source" and "time" (Unix seconds). Tools match these, never prose.
+# One line each: EVENT_PREFIX and a JSON object with "event", "source" and "time" (Unix seconds).
+# Tools match these, never prose. Every event is in the pod's log file (STATE_DIR/pod.log) and its
+# copy in S3 (LOGS_PREFIX); on the pod's stdout (`kubectl logs`) only with EVENTS=stdout, so that a
+# person reads sentences there (script.sh's output filter drops them; the lab's pods set stdout).
 #   phase       name, state ("start" | "done"), seconds (done)      script.sh: check S3 access,
 #               sync code, sync data, sync model, python environment, take the run's lease (node 0),
 #               wait for node 0 (nodes k > 0 of a group), restore checkpoint; final upload (node 0;
@@ -166,9 +220,12 @@ def _value(text: str):
         return text
 
 
-def wait(path: str, seconds: float, kind: str, fields: dict) -> dict | None:
+def wait(path: str, seconds: float, kind: str, fields: dict, pid: int | None = None) -> dict | None:
+    """The first matching event in the file; None after `seconds`, or once process `pid` has ended
+    without it (the file read once more after its end: its last lines may have come meanwhile)."""
     deadline = time.monotonic() + seconds
     while True:
+        ended = pid is not None and not _alive(pid)
         try:
             # newline="\n": a line ends at a newline only; a carriage return inside one starts none.
             with open(path, errors="replace", newline="\n") as file:
@@ -178,19 +235,45 @@ def wait(path: str, seconds: float, kind: str, fields: dict) -> dict | None:
                         return record
         except FileNotFoundError:
             pass
-        if time.monotonic() >= deadline:
+        if ended or time.monotonic() >= deadline:
             return None
         time.sleep(0.5)
 
 
+def _alive(pid: int) -> bool:
+    """Whether the process runs; one that ended but was not waited for yet (a zombie) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+USAGE = "usage: contract.py wait [--pid PID] LOG_FILE SECONDS KIND [key=value...] | near-misses"
+
+
 def main(argv: list[str]) -> int:
+    if argv == ["near-misses"]:
+        for name, setting in near_misses(os.environ):
+            print(f"{name} is not a setting of the pod, so it is ignored; did you mean {setting}?")
+        return 0
+    pid = None
+    if argv[:1] == ["wait"] and argv[1:2] == ["--pid"] and len(argv) > 2 and argv[2].isdigit():
+        pid, argv = int(argv[2]), argv[:1] + argv[3:]
     if len(argv) < 4 or argv[0] != "wait" or not all("=" in a for a in argv[4:]):
-        print("usage: contract.py wait LOG_FILE SECONDS KIND [key=value...]", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 64
     fields = {k: _value(v) for k, v in (a.split("=", 1) for a in argv[4:])}
-    record = wait(argv[1], float(argv[2]), argv[3], fields)
+    record = wait(argv[1], float(argv[2]), argv[3], fields, pid)
     if record is None:
-        print(f"contract.py: no event {argv[3]} {json.dumps(fields)} in {argv[1]} within {argv[2]}s", file=sys.stderr)
+        why = f"process {pid} ended" if pid is not None and not _alive(pid) else f"not within {argv[2]}s"
+        print(f"contract.py: no event {argv[3]} {json.dumps(fields)} in {argv[1]}: {why}", file=sys.stderr)
         return 1
     print(json.dumps(record, sort_keys=True))
     return 0

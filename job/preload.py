@@ -12,7 +12,8 @@ as __main__, with its own sys.argv and its folder first on sys.path. The trainer
 earlier: it looks for its checkpoint only after the gate opens. Settings torch reads when imported
 (TORCH_LOGS, TORCHDYNAMO_*, TORCHINDUCTOR_*) belong in the pod's env, not in the trainer's
 os.environ before its own `import torch`: torch is imported by then. A pod that never trains (the run is
-complete, bad input, a signal) stops torchrun instead, and the worker ends with it.
+complete, bad input, a signal) stops torchrun instead, and the worker ends with it. An exception
+the trainer does not catch is recorded in torchrun's error file before Python prints it.
 """
 
 from __future__ import annotations
@@ -73,7 +74,20 @@ def wait_for_gate(gate: str) -> None:
 def run_trainer(path: str, args: list[str]) -> None:
     sys.argv = [path, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(path))  # as `python path` sets it (was job/)
-    runpy.run_path(path, run_name="__main__")
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except Exception as err:
+        record(err)
+        raise
+
+
+def record(err: Exception) -> None:
+    """The trainer's uncaught exception in torchrun's error file, as torch's @record would write it:
+    torchrun then reports it as the root cause (not "error_file: <N/A>"), and the pod says and keeps
+    its line (trainer_error.py). The traceback still goes to stderr, as Python prints it."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(err)
 
 
 def main(argv: list[str]) -> int:

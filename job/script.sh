@@ -29,6 +29,8 @@
 #   LEASE_WAIT_SECONDS     3000                     how long a second pod waits for a live pod's lease (>= 0)
 #   S3_SYNC_TOOL           auto                     code and data sync: s5cmd when present, else aws
 #   CHECKPOINT_HMAC_KEY    unset                    signs and checks manifests; when set, 16 bytes or more (never printed)
+#   EVENTS                 log                      log or stdout: the EVENT lines tools read are in the pod's log file and
+#                                                   its copy in S3; stdout puts them in `kubectl logs` too
 #   NNODES                 1                        pods in the group (scripts/submit.py sets it with the three below)
 #   RDZV_ENDPOINT          MASTER_ADDR:MASTER_PORT  host:port of node 0's c10d rendezvous (NNODES > 1); node 0 also
 #                                                   tells the others on port+1 which checkpoint they all resume from
@@ -41,11 +43,16 @@
 # RANK (PyTorchJob). Node 0 alone takes the lease, uploads and writes COMPLETE; every node restores
 # the step node 0 chose. A node that loses a peer mid-run exits 138 so the whole group restarts; so
 # does one stopped by a peer's SIGTERM (after the group committed its step; that peer exits 143).
+# No value may hold a control character (TRAIN_ARGS: newlines and tabs separate words); a name in the
+# env that is no setting but close to one (TRAIN_ARG) gets a warning with "did you mean" (job/contract.py).
+# The shipped trainers (train.py, finetune.py) check TRAIN_CONFIG and TRAIN_ARGS (`--check`, without
+# torch) right after the code and the Python are there, before the data, the lease and the GPUs.
 # Read as they are: AWS credentials and AWS_DEFAULT_REGION (the Secret or an IAM role), HOSTNAME
 # (the pod's name in logs and the lease), PIP_* (pip), PYTHONPATH (the runtime's folder is added).
 # Set here for the helpers: CODE_DIR, STATE_DIR, LOG_FILE, TORCHELASTIC_ERROR_FILE, PYTHONUNBUFFERED,
 # TMPDIR (WORK_DIR/.tmp: torch's compile files and other temp files on the workspace, not the small /tmp).
 # RESTORE_VERIFIED_FILE (STATE_DIR/restore-verified-<pod>.json: the checkpoint restore.py just hashed).
+# The pod's last error line goes to STATE_DIR/last-error.txt, for the uploader's status.json.
 # Everything printed, and the log uploaded to S3, has URL credentials hidden (redact.sed).
 #
 # Exit codes: 0 done (COMPLETE written), 64 bad input (the Job must not retry), 75 S3 or the
@@ -66,6 +73,15 @@ readonly EXIT_COMPLETE_FOUND=3
 readonly EXIT_PEER_LOST=138
 readonly EXIT_SIGINT=130
 readonly EXIT_SIGTERM=143
+# Every setting's name (contract.SETTINGS; tests/unit/test_contract.py keeps them equal), and those
+# a controller sets (contract.CONTROLLER_SETTINGS): all are checked for control characters.
+readonly SETTINGS=(S3_CODE_URI S3_DATA_URI S3_OUTPUT_URI S3_MODEL_URI WORK_DIR NPROC_PER_NODE
+  TRAIN_SCRIPT TRAIN_CONFIG TRAIN_ARGS SYNC_INTERVAL_SECONDS UPLOAD_RETRY_SECONDS
+  READY_FILE HEALTH_FILE HEALTH_MAX_AGE_SECONDS AWS_ENDPOINT_URL AWS_MAX_ATTEMPTS
+  AWS_RETRY_MODE S3_RETRY_SECONDS S3_LEASE LEASE_TTL_SECONDS LEASE_WAIT_SECONDS
+  S3_SYNC_TOOL CHECKPOINT_HMAC_KEY EVENTS NNODES RDZV_ENDPOINT RDZV_TIMEOUT_SECONDS)
+readonly CONTROLLER_SETTINGS=(JOB_COMPLETION_INDEX PET_NODE_RANK RANK MASTER_ADDR MASTER_PORT)
+readonly POD_ERROR=last-error.txt  # contract.POD_ERROR
 # lease.py acquire writes this file in STATE_DIR once it holds the lease (contract.LEASE_STATE):
 # its presence is how this script knows, even when lease.py was stopped before it could say so.
 readonly LEASE_STATE=lease.json
@@ -101,7 +117,13 @@ warn() { log "warning: $*" >&2; }
 die() {
   local code=$1; shift
   log "error: $*" >&2
+  remember_error "$*"
   exit "${code}"
+}
+# The pod's last error line, for status.json (uploader.py final): one line, credentials hidden.
+remember_error() {
+  [[ -n "${STATE_DIR:-}" && -d "${STATE_DIR}" ]] || return 0
+  shown "$*" >"${STATE_DIR}/${POD_ERROR}" 2>/dev/null || true
 }
 need_cmd() { command -v "$1" >/dev/null 2>&1 || die "${EXIT_BAD_INPUT}" "$1 not found in the image; $2"; }
 elapsed_since() { local ms=$(($(date +%s%3N) - $1)); printf '%d.%01ds' $((ms / 1000)) $((ms % 1000 / 100)); }
@@ -250,6 +272,31 @@ check_no_overlap() {
   fi
 }
 
+# A newline in a URI or an endpoint would reach S3 calls and log lines as it is; TRAIN_ARGS alone
+# may hold newlines and tabs (they separate its words). A secret's bytes are its own (never shown).
+# Bytes, not letters (LC_ALL=C): C0 and DEL, and the C1 controls as UTF-8 encodes them (\xc2\x80-\x9f).
+check_no_control_characters() {
+  local name value shown_value LC_ALL=C c1=$'\xc2'[$'\x80'-$'\x9f']
+  for name in "${SETTINGS[@]}" "${CONTROLLER_SETTINGS[@]}"; do
+    [[ -v "${name}" && "${name}" != CHECKPOINT_HMAC_KEY ]] || continue
+    value=${!name}
+    [[ "${name}" != TRAIN_ARGS ]] || value=${value//[$'\n\t']/ }
+    [[ "${value}" == *[[:cntrl:]]* || "${value}" == *${c1}* ]] || continue
+    shown_value=${value//[[:cntrl:]]/?}
+    shown_value=${shown_value//${c1}/?}
+    die "${EXIT_BAD_INPUT}" "${name}=$(shown "${shown_value}") holds a control character (shown as ?; a newline or an escape, often pasted); fix it in job.yaml"
+  done
+}
+
+# The env holds many names besides the settings: only one a typo away from a setting gets a word.
+warn_near_misses() {
+  command -v python3 >/dev/null 2>&1 || return 0  # said later, where python3 is needed
+  local line
+  while IFS= read -r line; do
+    warn "${line}"
+  done < <(python3 "${JOB_DIR}/contract.py" near-misses 2>/dev/null || true)
+}
+
 # At most 9 digits: bash arithmetic (deadlines) must not overflow.
 check_positive_int() {
   local name=$1 value=${!1}
@@ -323,6 +370,8 @@ check_timings() {
   # Heartbeats come every 2 s (train.py) or 5 s (the final upload): a limit near that fails on one late beat.
   check_seconds HEALTH_MAX_AGE_SECONDS 10 "the liveness probe's limit on the heartbeat's age, which is renewed every 5 s"
   check_one_of S3_LEASE "on|off" "on or off"
+  EVENTS=${EVENTS:-log}
+  check_one_of EVENTS "log|stdout" "log (in the log file and its copy in S3) or stdout (in kubectl logs too)"
   export SYNC_INTERVAL_SECONDS UPLOAD_RETRY_SECONDS LEASE_TTL_SECONDS LEASE_WAIT_SECONDS HEALTH_MAX_AGE_SECONDS S3_LEASE
 }
 
@@ -443,6 +492,8 @@ check_group_secret() {
 node0() { ((NODE_RANK == 0)); }
 
 validate_settings() {
+  check_no_control_characters
+  warn_near_misses
   check_s3_settings
   check_group
   check_timings
@@ -465,7 +516,7 @@ validate_settings() {
   # Python (tempfile) silently falls back to /tmp when TMPDIR does not exist: make it first.
   TMPDIR=${WORK_DIR}/.tmp
   mkdir -p "${DATA_DIR}" "${OUTPUT_DIR}" "${STATE_DIR}" "${TMPDIR}"
-  rm -f "${STATE_DIR}/${LEASE_STATE}"  # an earlier pod's, on a WORK_DIR that outlives pods
+  rm -f "${STATE_DIR}/${LEASE_STATE}" "${STATE_DIR}/${POD_ERROR}"  # an earlier pod's, on a WORK_DIR that outlives pods
   check_train_args
   # restore.py names the checkpoint it just hashed here; the trainer then checks it by size only.
   RESTORE_VERIFIED_FILE=${STATE_DIR}/restore-verified-${POD_TOKEN}.json  # this pod's, never an earlier one's
@@ -795,6 +846,31 @@ launch_args() {
     --rdzv-conf="join_timeout=${RDZV_TIMEOUT_SECONDS},is_host=$((NODE_RANK == 0 ? 1 : 0))"
 }
 
+# The shipped trainers check their config and arguments with --check: no torch, no data, a second.
+trainer_has_check() { [[ "${TRAIN_SCRIPT}" == train.py || "${TRAIN_SCRIPT}" == finetune.py ]]; }
+
+# A typo in TRAIN_CONFIG's file or in TRAIN_ARGS fails the pod here, in one line, before the data,
+# the lease and the GPUs: the trainer's 64 (a setting) or argparse's 2 (an argument). Anything else
+# (the check itself broke) is left to the trainer's own start. WORLD_SIZE: the processes of the
+# whole group, as torchrun will start them; PYTHONPATH as torchrun's workers get it.
+check_trainer_settings() {
+  local output="${STATE_DIR}/trainer-check.out" code=0 model_args=() line
+  [[ -z "${MODEL_DIR}" ]] || model_args=(--model_dir "${MODEL_DIR}")
+  run_child --output "${output}" env WORLD_SIZE=$((NPROC_PER_NODE * NNODES)) \
+    PYTHONPATH="${PYTHONPATH:+${PYTHONPATH}:}${JOB_DIR}" "${PYTHON}" \
+    "${CODE_DIR}/${TRAIN_SCRIPT}" --check --config "${CODE_DIR}/${TRAIN_CONFIG}" "${model_args[@]}" \
+    --data_dir "${DATA_DIR}" --output_dir "${OUTPUT_DIR}" "${TRAIN_ARGV[@]}" || code=$?
+  ((code != 0)) || return 0
+  line=$(grep -v '^[[:space:]]*$' "${output}" | tail -n 1)
+  if ((code == 2)) && [[ "${line}" == *"unrecognized arguments: --check"* ]]; then
+    warn "this ${TRAIN_SCRIPT} has no --check (staged before it had one): its settings are checked when it starts; stage the code again (scripts/stage.sh)"
+  elif ((code == EXIT_BAD_INPUT || code == 2)); then
+    die "${EXIT_BAD_INPUT}" "${TRAIN_SCRIPT} refuses its settings (TRAIN_CONFIG=${TRAIN_CONFIG}, TRAIN_ARGS): ${line#error: }"
+  else
+    warn "${TRAIN_SCRIPT} --check failed (exit ${code}: $(shown "${line}")); its settings are checked when it starts"
+  fi
+}
+
 mark_ready() {
   touch "${READY_FILE}" "${HEALTH_FILE}"
   log "ready: $(elapsed_since "${STARTED_MS}") from start to training"
@@ -842,6 +918,7 @@ run_trainer() {
     return "$(signal_exit_code)"  # a trainer that had finished keeps its 0
   fi
   if ((UPLOADER_GAVE_UP && code != 0)); then
+    remember_error "the uploader died twice: the trainer was stopped (exit ${UPLOADER_GAVE_UP})"
     return "${UPLOADER_GAVE_UP}"  # said when it was decided
   fi
   if ((GROUP_BROKEN_SEEN && code != 0)); then
@@ -863,11 +940,14 @@ run_trainer() {
     log "a node of the group was lost (exit ${EXIT_PEER_LOST}): every pod stops and the group resumes from the newest checkpoint in S3"
   elif ((code == EXIT_UNAVAILABLE)); then
     log "error: the group did not form or could not agree (exit ${EXIT_UNAVAILABLE}): ${message}" >&2
+    remember_error "the group did not form or could not agree: ${message}"
   elif ((code == EXIT_BAD_INPUT)); then
     # Said once by the trainer; said again here, below torchrun's report, for `kubectl logs --tail`.
     log "the trainer stopped on bad input (exit ${EXIT_BAD_INPUT}): ${message}"
+    remember_error "the trainer stopped on bad input: ${message}"
   elif ((code != 0)); then
     log "error: the trainer failed with exit ${code}: ${message}" >&2
+    remember_error "the trainer failed with exit ${code}: ${message}"
   fi
   return "${code}"
 }
@@ -927,7 +1007,12 @@ main() {
   # Everything the pod prints, and the log the uploader puts in S3, with URL credentials hidden
   # (a token in a requirements index URL that pip quotes). sed -u: line by line, no buffering.
   # A new file each pod: on a WORK_DIR that outlives pods, this attempt's log in S3 is its own.
-  exec > >(LC_ALL=C sed -u -E -f "${JOB_DIR}/redact.sed" | tee "${LOG_FILE}") 2>&1
+  # The log file keeps the EVENT lines for the tools; stdout (kubectl logs) is for people.
+  if [[ "${EVENTS}" == stdout ]]; then
+    exec > >(LC_ALL=C sed -u -E -f "${JOB_DIR}/redact.sed" | tee "${LOG_FILE}") 2>&1
+  else
+    exec > >(LC_ALL=C sed -u -E -f "${JOB_DIR}/redact.sed" | tee "${LOG_FILE}" | LC_ALL=C sed -u '/^EVENT /d') 2>&1
+  fi
   TEE_PID=$!
   trap finish EXIT
   log "pod ${HOSTNAME:-?}$( ((NNODES > 1)) && echo " (node ${NODE_RANK} of ${NNODES})") starting: code ${S3_CODE_URI}, data ${S3_DATA_URI}, output ${S3_OUTPUT_URI}, ${NPROC_PER_NODE} process(es), sync with ${S3_SYNC_TOOL}"
@@ -935,11 +1020,14 @@ main() {
 
   phase "check S3 access" check_access
   if already_complete; then
-    log "${S3_OUTPUT_URI}COMPLETE exists: this run is finished, nothing to do"
+    log "${S3_OUTPUT_URI}COMPLETE exists: this run is finished, nothing to do. To train it further, raise" \
+      "train.max_steps and remove COMPLETE (aws s3 rm ${S3_OUTPUT_URI}COMPLETE): the next pod resumes from its" \
+      "newest checkpoint. For a new run, give S3_OUTPUT_URI a prefix of its own"
     exit 0
   fi
   phase "sync code" sync_code
   phase "python environment" setup_python
+  ! trainer_has_check || phase "check the trainer's settings" check_trainer_settings
   ((NNODES > 1)) || start_trainer  # its workers import torch while the data and the model come down
   phase "sync data" sync_data
   [[ -z "${MODEL_DIR}" ]] || phase "sync model" sync_model

@@ -12,10 +12,11 @@ newest is never deleted.
 Every SYNC_INTERVAL_SECONDS: what the TensorBoard event files (up to their last whole record: a
 file being written never goes up cut mid-record) and this attempt's log (up to its last whole line)
 gained since the last round, each as a new object (FILE.NNNNNNNN, logs/attempt-NNNN-POD/NNNNNNNN.log),
-and status.json, the run's state for scripts/status.py. `final` does one last round; after exit code 0
-it writes COMPLETE, last of all, once the trainer's last step is in S3 (the step progress.json
-reports as max_steps; for a trainer that writes no progress.json, its newest committed step);
-with CHECKPOINT_HMAC_KEY set, signed for this run (checkpoint.signed_complete).
+and status.json, the run's state for scripts/status.py. `final` does one last round (a failed
+attempt keeps the pod's last error line, contract.POD_ERROR, as its "error"); after exit code 0 it
+writes COMPLETE, last of all, once the trainer's last step is in S3 (the step progress.json reports
+as max_steps; for a trainer that writes no progress.json, its newest committed step); with
+CHECKPOINT_HMAC_KEY set, signed for this run (checkpoint.signed_complete).
 
 Checkpoints come first and depend on nothing else: status.json and the growing files each fail on
 their own (a warning, a backoff of their own). A status.json in S3 that is not what this uploader
@@ -55,6 +56,7 @@ from s3 import Location, log
 
 
 POLL_SECONDS = 1.0
+MAX_ERROR = 300  # characters of an attempt's error line in status.json
 SEGMENT_DIGITS = 8  # a segment a minute for 190 years
 EXIT_LEASE_LOST = contract.EXIT_LEASE_LOST
 
@@ -474,6 +476,9 @@ def final(uploader: Uploader, exit_code: int) -> int:
         if not uploader.attempt:
             uploader.resume_attempt()
         uploader.attempt.update(ended_at=time.time(), exit_code=exit_code)
+        error = last_error(uploader.state_dir) if exit_code != 0 else None
+        if error:
+            uploader.attempt["error"] = error
         uploader.write_status(_state_for(exit_code))
 
     try:
@@ -503,6 +508,18 @@ def _aside(name: str, do) -> None:
     except Exception as err:  # noqa: BLE001 - one line, and the checkpoints and COMPLETE go on
         what = str(err) if isinstance(err, s3lib.BadInput) else repr(err)
         log("uploader", f"warning: {name}: {what}; not uploaded")
+
+
+def last_error(state_dir: Path) -> str | None:
+    """The pod's last error line (script.sh writes it: contract.POD_ERROR), for the attempt that
+    ends: why it failed, in status.json, where a retry of the same crash would otherwise say only
+    its exit code. One line, control characters escaped, at most MAX_ERROR characters."""
+    text = _read_or_none(state_dir / contract.POD_ERROR)
+    if not text:
+        return None
+    line = " ".join(text.decode("utf-8", "replace").split())
+    line = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in line)
+    return line[:MAX_ERROR - 3] + "..." if len(line) > MAX_ERROR else line or None
 
 
 def attempts_in(status) -> list[dict] | None:

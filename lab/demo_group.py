@@ -31,6 +31,12 @@ def save_logs(job: local_job.IndexedJob, folder: Path) -> None:
             (folder / f"pod-{index}-{pod.attempt}.log").write_text(pod.output)
 
 
+def last_error_line(output: str) -> str:
+    """Why a pod failed: its last line that says error, else its last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip() and not line.startswith("EVENT ")]
+    return next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else "no output")
+
+
 def restored_steps(job: local_job.IndexedJob, index: int) -> list:
     return [e.get("name") for pod in job.pods(index) for e in pod.events if e["event"] == "restore"]
 
@@ -46,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(local_pod.key_value(text, "--env") for text in args.env)
     job = local_job.IndexedJob(args.manifest, env, echo=True).start()
     try:
-        job.pod(0).wait_for_event("uploaded", timeout=1800, step=args.kill_at)
+        try:
+            job.pod(0).wait_for_event("uploaded", timeout=3600, step=args.kill_at)
+        except AssertionError:  # node 0 ended without it: it failed
+            pod = job.pod(0)
+            print(f"demo_group: error: pod 0 failed (exit {pod.exit_code()}): {last_error_line(pod.output)}",
+                  file=sys.stderr)
+            return 1
         time.sleep(2)
         job.pod(args.kill_index).lose_node()
         say(f"node of pod {args.kill_index} lost (SIGKILL to its PID 1) after step {args.kill_at} reached S3; "

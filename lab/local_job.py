@@ -191,7 +191,7 @@ class JobPod(podlab.Pod):
         for line in self.proc.stdout:
             self.lines.append(line)
             self._new.put(line)
-            if self.echo:
+            if self.echo and not line.startswith(podlab.contract.EVENT_PREFIX):  # for people, as kubectl logs
                 sys.stdout.write(f"[{self.index}.{self.attempt}] {line}")
                 sys.stdout.flush()
         self._new.put(None)
@@ -378,7 +378,8 @@ class IndexedJob(PodController):
     pod's volumes kept in DIR/<pod name>. folder holds the pidfiles (a temporary one by default).
     first_ip: pod i's address is first_ip + i (default FIRST_IP, 127.0.0.10; tests beside other
     jobs pick their own in 127/8). replacement_delay: seconds before a failed index's new pod.
-    echo: copy each pod's output to stdout, prefixed [index.attempt] (the command line does).
+    echo: copy each pod's output to stdout, prefixed [index.attempt], its EVENT lines left out (the
+    command line does).
     """
 
     def __init__(self, manifest: Path | str, env: dict[str, str] | None = None, keep_volumes: Path | str | None = None,

@@ -28,7 +28,8 @@ next pod (restartPolicy is the Job's business). What a pod gets:
   host under /, the "image", is read-only, not only / itself; the pod's volumes, /proc, /dev and
   its /dev/shm, /dev/pts and the kubelet's /etc/hosts stay writable, as in a container);
 - only the environment a container gets: PATH (the runner's), HOSTNAME, env/envFrom, then --env;
-- exec probes (startup, liveness, readiness) on the kubelet's schedule, run inside the pod;
+- exec probes (startup, liveness, readiness) on the kubelet's schedule, run inside the pod (a
+  startup probe's failures are said only when they kill the container: a starting pod fails it);
 - deletion: SIGTERM/SIGINT to the runner = SIGTERM to PID 1, SIGKILL after the grace period
   (a second signal kills at once); pod-level activeDeadlineSeconds;
 - with --index I, what the Job controller gives a pod of an Indexed Job: the name <job>-I-<5 chars>,
@@ -1010,7 +1011,9 @@ class PodRunner:
     def report_failure(self, probe: Probe, failures: int, output: str) -> None:
         message = f"{probe.kind} probe failed ({failures}/{probe.failure_threshold}): {output}"
         if failures < probe.failure_threshold:
-            log(message)
+            # A starting pod fails its startup probe until it is up: news only when it kills.
+            if probe.kind != "Startup":
+                log(message)
             return
         grace = probe.grace if probe.grace is not None else self.pod.grace
         log(f"{message}; killing container with grace {grace:g}s")

@@ -196,6 +196,8 @@ class Run:
             # make each step 50x slower.
             "OMP_NUM_THREADS": "1",
             "LEASE_TTL_SECONDS": "4", "S3_RETRY_SECONDS": "60",
+            # The lab waits on the pod's events: on its stdout too, not only in its log file.
+            "EVENTS": "stdout",
         }
         env.update(extra)
         return env

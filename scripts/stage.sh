@@ -52,10 +52,21 @@ stage_model() {
   echo "staged model: $(du -sh "${dir}" | cut -f1) from ${dir} in ${uri}"
 }
 
-usage() { die "usage: scripts/stage.sh S3_CODE_URI [--data DIR S3_DATA_URI] [--model DIR S3_MODEL_URI]"; }
+readonly USAGE="usage: scripts/stage.sh S3_CODE_URI [--data DIR S3_DATA_URI] [--model DIR S3_MODEL_URI]"
+usage() { die "${USAGE} (--help says more)"; }
+
+# The usage, then the header comment above.
+help() {
+  printf '%s\n\n' "${USAGE}"
+  sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+}
 
 main() {
   (($# >= 1)) || usage
+  if [[ "$1" == -h || "$1" == --help ]]; then
+    help
+    return 0
+  fi
   command -v aws >/dev/null || die "aws not found; run ./scripts/test.sh once (it makes .venv) or install awscli"
   local root code_uri data_dir="" data_uri="" model_dir="" model_uri=""
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

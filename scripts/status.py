@@ -7,6 +7,7 @@ Usage:
     python scripts/status.py s3://bucket/gpt/runs/ --json           # the same, as JSON, for machines
     python scripts/status.py s3://bucket/gpt/runs/ --plot loss.png  # train/val loss of the runs
     python scripts/status.py s3://bucket/gpt/runs/ --stale-after 300
+    python scripts/status.py --logs s3://bucket/gpt/runs/my-run/      # its pods' logs, oldest first
 
 A run is a folder holding status.json or checkpoints/, at any depth under the prefix; a URI that
 holds them itself is one run. Columns: state, newest step committed in S3 / max steps, best
@@ -21,8 +22,20 @@ States:
     interrupted  the last pod was stopped (SIGTERM or SIGINT, exit 143 or 130); the next one resumes
     incomplete   the last pod ended with 0 but COMPLETE is missing; the next pod writes it
     unknown      checkpoints but no status.json (a run the uploader never reported)
+    unreadable   its status.json or COMPLETE is not what the pod writes (too big, nested too
+                 deep, not JSON, a field of another type): why, under the table and as "problem"
+                 (--json); the other runs show as usual. A damaged newest manifest is skipped, as
+                 the pod skips it
+
+A failed attempt shows the pod's last error line (status.json keeps it): under the table for a
+failed run; for one run, under its attempts.
 
 --json prints a list of runs with the same fields (one object, with attempt_history, for one run).
+
+--logs prints one run's pod logs from S3 (logs/attempt-NNNN-POD/), each attempt under a header:
+what `kubectl logs` showed, after the pod is gone. --attempt N: that attempt's alone. --events:
+the EVENT lines for tools too. Control characters in them, and in every name and line read from
+S3, are shown escaped (\\x1b), never sent to the terminal.
 
 --plot reads the TensorBoard event files of the runs (steps that a restarted pod redid count
 once, as in TensorBoard) and draws train/loss (lines) and val/loss (dots) per run.
@@ -35,8 +48,10 @@ refused credentials); 75 S3 unreachable. Errors are one line on stderr.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import logging
+import re
 import os
 import sys
 import tempfile
@@ -58,6 +73,9 @@ EXIT_BAD_INPUT = contract.EXIT_BAD_INPUT
 EXIT_UNAVAILABLE = contract.EXIT_UNAVAILABLE
 STOPPED_BY_SIGNAL = (contract.EXIT_SIGINT, contract.EXIT_SIGTERM)
 LIVE_STATES = ("starting", "running")
+MAX_JSON_BYTES = 1 << 20  # status.json is a few kB per hundred attempts; anything past this is not ours
+MAX_TEXT = 300  # characters of a name or a line from S3 shown in a cell
+LATEST_STAMP = 4102444800  # 2100-01-01: a time past this is not a pod's clock
 CHECKPOINTS = contract.CHECKPOINTS_DIR
 MANIFEST = contract.MANIFEST
 PLOTTED_TAGS = ("train/loss", "val/loss")
@@ -69,6 +87,22 @@ class BadInput(Exception):
 
 class Unavailable(Exception):
     """S3 could not be reached: exit 75."""
+
+
+class Unreadable(Exception):
+    """A run's object is not what the pod writes: the run shows as unreadable, the others as usual."""
+
+
+def printable(text: str, limit: int | None = MAX_TEXT, keep: str = "") -> str:
+    """TEXT for a terminal: every control or format character escaped (\\x1b, \\u202e), so a name or
+    a line from S3 cannot move the cursor, recolour or rewrite the screen; at most LIMIT characters."""
+    shown = "".join(c if c.isprintable() or c in keep else _escape(c) for c in text)
+    return shown if limit is None or len(shown) <= limit else shown[:limit - 3] + "..."
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 # -- S3 -------------------------------------------------------------------------------------------
@@ -138,20 +172,36 @@ class Store:
         return self.guarded(collect)
 
     def read_json(self, key: str) -> dict | None:
-        """The object parsed; None when it is gone (a listing is a moment ago) or not JSON."""
+        """The object parsed; None when it is gone (a listing is a moment ago). Anyone who may
+        write the bucket may have put anything there: Unreadable, with why, when it is bigger than
+        MAX_JSON_BYTES, not JSON, nested too deep for the parser, or not an object."""
+        name = key.rsplit("/", 1)[-1]
         try:
-            body = self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            body = self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read(MAX_JSON_BYTES + 1)
         except botocore.exceptions.ClientError as err:
             if err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 return None
             raise explained(err, self.bucket) from None
         except botocore.exceptions.BotoCoreError as err:
             raise explained(err, self.bucket) from None
+        if len(body) > MAX_JSON_BYTES:
+            raise Unreadable(f"{name} is over {MAX_JSON_BYTES >> 20} MB")
         try:
             value = json.loads(body)
+        except RecursionError:
+            raise Unreadable(f"{name} is nested too deep") from None
         except ValueError:
-            return None
-        return value if isinstance(value, dict) else None  # anyone may write the bucket: shape first
+            raise Unreadable(f"{name} is not JSON") from None
+        if not isinstance(value, dict):
+            raise Unreadable(f"{name} is a JSON {type(value).__name__}, not an object")
+        return value
+
+    def stream(self, key: str):
+        """The object's bytes, a chunk at a time (a pod's log may be large)."""
+        try:
+            yield from self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].iter_chunks(1 << 16)
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as err:
+            raise explained(err, self.bucket) from None
 
     def download(self, key: str, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -214,55 +264,136 @@ def _run_above(path: str, roots: set[str]) -> str | None:
 # -- the state of a run ---------------------------------------------------------------------------
 
 def summarize(store: Store, run: RunFiles, bucket: str, stale_after: float) -> dict:
-    status = (store.read_json(run.prefix + "status.json") if "status.json" in run.keys else None) or {}
+    """The run's row; an unreadable one when an object it needs is not what the pod writes."""
+    name = run.name or run.prefix.rstrip("/").rsplit("/", 1)[-1] or bucket
+    try:
+        return _summary(store, run, bucket, stale_after, name)
+    except Unreadable as err:
+        return unreadable_row(run, bucket, name, str(err))
+
+
+def _summary(store: Store, run: RunFiles, bucket: str, stale_after: float, name: str) -> dict:
+    status = Fields(store.read_json(run.prefix + "status.json") if "status.json" in run.keys else None, "status.json")
     now = time.time()  # after the read: a heartbeat written meanwhile is not in the future
     finished = "COMPLETE" in run.keys
-    complete = (store.read_json(run.prefix + "COMPLETE") if finished else None) or {}
-    progress = _mapping(status.get("progress"))
+    complete = Fields(store.read_json(run.prefix + "COMPLETE") if finished else None, "COMPLETE")
+    progress = status.group("progress")
     newest = max(run.committed, default=None)
     meta = {}
-    if newest is not None and progress.get("max_steps") is None:  # no trainer report: ask the checkpoint
-        manifest = store.read_json(f"{run.prefix}{CHECKPOINTS}/{checkpoint.step_dir_name(newest)}/{MANIFEST}") or {}
-        meta = _mapping(manifest.get("meta"))
-    heartbeat = _number(status.get("heartbeat_at"))
-    attempts = [a for a in status.get("attempts") or [] if isinstance(a, dict)] \
-        if isinstance(status.get("attempts"), list) else []
+    if newest is not None and progress.count("max_steps") is None:  # no trainer report: ask the checkpoint
+        meta = manifest_meta(store, f"{run.prefix}{CHECKPOINTS}/{checkpoint.step_dir_name(newest)}/{MANIFEST}")
+    heartbeat = status.stamp("heartbeat_at")
+    attempts = [attempt_of(a, f"status.json attempts[{i}]") for i, a in enumerate(status.items("attempts"))]
     return {
-        "run": run.name or run.prefix.rstrip("/").rsplit("/", 1)[-1] or bucket,
+        "run": name,
         "uri": f"s3://{bucket}/{run.prefix}",
-        "state": state_of(status, finished, stale_after, now),
+        "state": state_of(status, attempts, finished, stale_after, now),
         "committed_step": newest,
-        "max_steps": _first(progress.get("max_steps"), meta.get("max_steps"), complete.get("steps")),
-        "step": progress.get("step"),
-        "train_loss": _first(progress.get("train_loss"), complete.get("train_loss")),
-        "val_loss": _first(progress.get("val_loss"), complete.get("val_loss"), meta.get("val_loss")),
-        "best_val_loss": _first(complete.get("best_val_loss"), progress.get("best_val_loss"),
+        "max_steps": _first(progress.count("max_steps"), meta.get("max_steps"), complete.count("steps")),
+        "step": progress.count("step"),
+        "train_loss": _first(progress.real("train_loss"), complete.real("train_loss")),
+        "val_loss": _first(progress.real("val_loss"), complete.real("val_loss"), meta.get("val_loss")),
+        "best_val_loss": _first(complete.real("best_val_loss"), progress.real("best_val_loss"),
                                 meta.get("best_val_loss")),
-        "best_step": _first(complete.get("best_step"), progress.get("best_step"), meta.get("best_step")),
-        "tokens_per_sec": progress.get("tokens_per_sec"),
-        "eta_seconds": progress.get("eta_seconds"),
-        "attempts": len(attempts) or complete.get("attempts") or 0,
-        "pod": status.get("pod"),
+        "best_step": _first(complete.count("best_step"), progress.count("best_step"), meta.get("best_step")),
+        "tokens_per_sec": progress.amount("tokens_per_sec"),
+        "eta_seconds": progress.amount("eta_seconds"),
+        "attempts": len(attempts) or complete.count("attempts") or 0,
+        "pod": status.text("pod"),
         "heartbeat_at": heartbeat,
         "heartbeat_age_seconds": round(now - heartbeat, 1) if heartbeat else None,
         "size_bytes": run.size,
-        "completed_at": complete.get("completed_at"),
+        "completed_at": complete.stamp("completed_at"),
+        "last_error": attempts[-1].get("error") if attempts else None,
+        "problem": None,
         "attempt_history": attempts,
     }
 
 
-def state_of(status: dict, complete: bool, stale_after: float, now: float) -> str:
+def manifest_meta(store: Store, key: str) -> dict:
+    """What the newest checkpoint's manifest says of the run, for a trainer that reports nothing
+    else; nothing when the manifest is damaged: the pod skips such a checkpoint, so does this."""
+    try:
+        meta = Fields(store.read_json(key), "manifest.json").group("meta")
+        return {"max_steps": meta.count("max_steps"), "val_loss": meta.real("val_loss"),
+                "best_val_loss": meta.real("best_val_loss"), "best_step": meta.count("best_step")}
+    except Unreadable:
+        return {}
+
+
+def unreadable_row(run: RunFiles, bucket: str, name: str, problem: str) -> dict:
+    row = {key: None for key in ("committed_step", "max_steps", "step", "train_loss", "val_loss", "best_val_loss",
+                                 "best_step", "tokens_per_sec", "eta_seconds", "pod", "heartbeat_at",
+                                 "heartbeat_age_seconds", "completed_at", "last_error")}
+    row.update(run=name, uri=f"s3://{bucket}/{run.prefix}", state="unreadable", attempts=0, size_bytes=run.size,
+               committed_step=max(run.committed, default=None), problem=problem, attempt_history=[])
+    return row
+
+
+class Fields:
+    """A JSON object read from S3, one typed field at a time: a field of another type than the pod
+    writes makes the run Unreadable (with its name), a missing or null one is None."""
+
+    def __init__(self, value: dict | None, where: str):
+        self.value, self.where = value or {}, where
+
+    def _get(self, key: str, ok, kind: str):
+        value = self.value.get(key)
+        if value is None or ok(value):
+            return value
+        raise Unreadable(f"{self.where}: {key} is {_kind(value)}, not {kind}")
+
+    def group(self, key: str) -> "Fields":
+        return Fields(self._get(key, lambda v: isinstance(v, dict), "an object"), f"{self.where} {key}")
+
+    def items(self, key: str) -> list:
+        return self._get(key, lambda v: isinstance(v, list), "a list") or []
+
+    def count(self, key: str) -> int | None:
+        """A step, an attempt number, an exit code."""
+        return self._get(key, lambda v: _is_int(v) and -(1 << 31) <= v < 1 << 53, "a whole number")
+
+    def real(self, key: str) -> float | None:
+        """A loss: any number (a diverged run's may be NaN)."""
+        return self._get(key, lambda v: _is_real(v), "a number")
+
+    def amount(self, key: str) -> float | None:
+        """A rate or a duration: finite, not negative."""
+        return self._get(key, lambda v: _is_real(v) and 0 <= v < 1e15, "a finite number of 0 or more")
+
+    def stamp(self, key: str) -> float | None:
+        """A Unix time a pod's clock can give."""
+        return self._get(key, lambda v: _is_real(v) and 0 <= v < LATEST_STAMP, "a time (Unix seconds)")
+
+    def text(self, key: str) -> str | None:
+        return self._get(key, lambda v: isinstance(v, str), "text")
+
+    def flag(self, key: str) -> bool | None:
+        return self._get(key, lambda v: isinstance(v, bool), "true or false")
+
+
+def attempt_of(value, where: str) -> dict:
+    """One attempt of status.json, every field it shows checked."""
+    if not isinstance(value, dict):
+        raise Unreadable(f"{where} is {_kind(value)}, not an object")
+    fields = Fields(value, where)
+    return {"attempt": fields.count("attempt"), "pod": fields.text("pod"), "started_at": fields.stamp("started_at"),
+            "heartbeat_at": fields.stamp("heartbeat_at"), "ended_at": fields.stamp("ended_at"),
+            "exit_code": fields.count("exit_code"), "lost": fields.flag("lost"),
+            "start_step": fields.count("start_step"), "end_step": fields.count("end_step"),
+            "error": fields.text("error")}
+
+
+def state_of(status: Fields, attempts: list[dict], complete: bool, stale_after: float, now: float) -> str:
     if complete:
         return "completed"
-    if not status:
+    if not status.value:
         return "unknown"
-    state = status.get("state") if isinstance(status.get("state"), str) else None
+    state = status.text("state")
     if state in LIVE_STATES:
-        heartbeat = _number(status.get("heartbeat_at")) or _number(status.get("updated_at")) or 0
+        heartbeat = status.stamp("heartbeat_at") or status.stamp("updated_at") or 0
         return "stale" if now - heartbeat > stale_after else state
-    attempts = status.get("attempts")
-    last = _mapping(attempts[-1]) if isinstance(attempts, list) and attempts else {}
-    code = last.get("exit_code")
+    code = attempts[-1]["exit_code"] if attempts else None
     if state == "failed" or (code is not None and code != 0 and code not in STOPPED_BY_SIGNAL):
         return "failed"
     if state == "completed":
@@ -270,12 +401,16 @@ def state_of(status: dict, complete: bool, stale_after: float, now: float) -> st
     return state or "unknown"
 
 
-def _mapping(value) -> dict:
-    return value if isinstance(value, dict) else {}
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number(value) -> float | None:
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _kind(value) -> str:
+    return {dict: "an object", list: "a list", str: "text", bool: "true or false"}.get(type(value), f"{value!r}"[:40])
 
 
 def _first(*values):
@@ -292,8 +427,19 @@ def table_row(row: dict) -> tuple[str, ...]:
     if row["max_steps"] is not None:
         step += f"/{row['max_steps']}"
     age = row["heartbeat_age_seconds"]
-    return (row["run"], row["state"], step, _loss(row["best_val_loss"]), str(row["attempts"]),
+    return (printable(row["run"]), printable(row["state"]), step, _loss(row["best_val_loss"]), str(row["attempts"]),
             "-" if age is None else f"{human_seconds(age)} ago", human_bytes(row["size_bytes"]))
+
+
+def notes(rows: list[dict]) -> list[str]:
+    """Why each unreadable run is, and the last error of each failed one: a line each, under the table."""
+    found = [(row["run"], row["problem"]) for row in rows if row["problem"]]
+    found += [(row["run"], f"attempt {row['attempts']}: {row['last_error']}")
+              for row in rows if row["state"] == "failed" and row["last_error"]]
+    if not found:
+        return []
+    width = max(len(printable(name)) for name, _ in found)
+    return ["", *(f"{printable(name).ljust(width)}  {printable(note, None)}" for name, note in found)]
 
 
 def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
@@ -302,7 +448,9 @@ def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
 
 def format_detail(row: dict) -> str:
-    lines = [format_table(COLUMNS, [table_row(row)]), "", f"uri      {row['uri']}"]
+    lines = [format_table(COLUMNS, [table_row(row)]), "", f"uri      {printable(row['uri'], None)}"]
+    if row["problem"]:
+        lines.append(f"problem  {printable(row['problem'], None)}")
     if row["step"] is not None:
         lines.append(f"trainer  {progress_line(row)}")
     if row["completed_at"]:
@@ -312,6 +460,8 @@ def format_detail(row: dict) -> str:
         header = ("ATTEMPT", "POD", "STARTED (UTC)", "DURATION", "EXIT", "STEPS")
         rows = [attempt_row(a, row["state"], last=i == len(attempts) - 1) for i, a in enumerate(attempts)]
         lines += ["", format_table(header, rows)]
+        errors = [f"attempt {_or_q(a['attempt'])}: {printable(a['error'], None)}" for a in attempts if a["error"]]
+        lines += ["", *errors] if errors else []
     return "\n".join(lines)
 
 
@@ -340,7 +490,7 @@ def attempt_row(attempt: dict, state: str, last: bool) -> tuple[str, ...]:
         outcome = "-"
     steps = f"{_or_q(attempt.get('start_step'))}→{_or_q(attempt.get('end_step'))}"
     duration = human_seconds(end - started) if started and end else "-"
-    return (str(attempt.get("attempt", "?")), str(attempt.get("pod", "?")), _clock(started) if started else "-",
+    return (_or_q(attempt.get("attempt")), printable(attempt.get("pod") or "?"), _clock(started) if started else "-",
             duration, outcome, steps)
 
 
@@ -408,11 +558,11 @@ def plot(store: Store, runs: list[RunFiles], path: Path) -> int:
                 store.download(run.prefix + key, folder / Path(key).name)
             curves = loss_curves(folder) if run.event_files else {}
             if not curves:
-                print(f"status: note: {run.name or run.prefix}: no loss in TensorBoard event files yet",
+                print(f"status: note: {printable(run.name or run.prefix)}: no loss in TensorBoard event files yet",
                       file=sys.stderr)
                 continue
             color = f"C{drawn % 10}"
-            name = run.name or run.prefix.rstrip("/").rsplit("/", 1)[-1]
+            name = printable(run.name or run.prefix.rstrip("/").rsplit("/", 1)[-1]).replace("$", r"\$")  # no mathtext
             if "train/loss" in curves:
                 axes.plot(*curves["train/loss"], color=color, linewidth=1, label=f"{name} train")
             if "val/loss" in curves:
@@ -438,6 +588,68 @@ def save(figure, axes, path: Path) -> None:
         figure.savefig(path, dpi=100)
     except OSError as err:
         raise BadInput(f"cannot write the plot to {path}: {err.strerror or err}; give a writable path") from None
+
+
+# -- the pods' logs -------------------------------------------------------------------------------
+
+LOG_FOLDER = re.compile(r"attempt-([0-9]+)-(.*)")
+MAX_LINE = 1 << 20  # a "line" longer than this (no newline in a MB) is shown in pieces
+
+
+def print_logs(uri: str, attempt: int | None, events: bool) -> None:
+    """The run's pod logs from S3, attempt by attempt (or one), line by line, escaped."""
+    bucket, prefix = parse_uri(uri)
+    store = Store(bucket)
+    logs = prefix + contract.LOGS_PREFIX
+    folders = log_folders(store.list_objects(logs), logs)
+    if not folders:
+        raise BadInput(f"no pod logs under s3://{bucket}/{logs}; give one run's folder (status.py on the folder "
+                       "above lists its runs)")
+    if attempt is not None:
+        numbers = sorted({number for number, _ in folders})
+        folders = {name: keys for name, keys in folders.items() if name[0] == attempt}
+        if not folders:
+            raise BadInput(f"the run has no log of attempt {attempt}; --attempt takes one of "
+                           f"{', '.join(map(str, numbers))}")
+    hidden = 0
+    for (number, pod), keys in sorted(folders.items()):
+        print(f"== attempt {number}, pod {printable(pod)} ==", flush=True)
+        for line in lines_of(store, keys):
+            if not events and line.startswith(contract.EVENT_PREFIX):
+                hidden += 1
+                continue
+            sys.stdout.write(printable(line, None, keep="\t") + "\n")
+    sys.stdout.flush()
+    if hidden:
+        print(f"status: {hidden} EVENT lines (for tools) not shown; --events shows them", file=sys.stderr)
+
+
+def log_folders(objects: list[dict], logs: str) -> dict[tuple[int, str], list[str]]:
+    """(attempt, pod) -> its segments' keys in order, from a listing of logs/."""
+    folders: dict[tuple[int, str], list[str]] = {}
+    for item in objects:
+        folder, _, segment = item["Key"][len(logs):].partition("/")
+        match = LOG_FOLDER.fullmatch(folder)
+        if match and segment.endswith(".log") and "/" not in segment:
+            folders.setdefault((int(match[1]), match[2]), []).append(item["Key"])
+    return {name: sorted(keys) for name, keys in folders.items()}
+
+
+def lines_of(store: Store, keys: list[str]):
+    """The text of the segments, one line at a time (without its newline); bytes that are not
+    UTF-8 become U+FFFD, a line with no end in MAX_LINE characters comes in pieces."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    rest = ""
+    for key in keys:
+        for chunk in store.stream(key):
+            *whole, rest = (rest + decoder.decode(chunk)).split("\n")
+            yield from whole
+            while len(rest) > MAX_LINE:
+                yield rest[:MAX_LINE]
+                rest = rest[MAX_LINE:]
+    rest += decoder.decode(b"", final=True)
+    if rest:
+        yield rest
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -466,7 +678,7 @@ def report(rows: list[dict], single: bool, as_json: bool) -> str:
         return json.dumps([{k: v for k, v in row.items() if k != "attempt_history"} for row in rows], indent=1)
     if single:
         return format_detail(rows[0])
-    return format_table(COLUMNS, [table_row(row) for row in rows])
+    return "\n".join([format_table(COLUMNS, [table_row(row) for row in rows]), *notes(rows)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -478,8 +690,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stale-after", type=float, default=600, metavar="SECONDS",
                         help="a running run without a heartbeat for this long is stale (default 600)")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="also draw the loss curves into this PNG")
+    parser.add_argument("--logs", action="store_true", help="print the run's pod logs from S3 (S3_PREFIX: one run)")
+    parser.add_argument("--attempt", type=int, metavar="N", help="with --logs: attempt N's log alone")
+    parser.add_argument("--events", action="store_true", help="with --logs: the EVENT lines for tools too")
     args = parser.parse_args(argv)
+    if (args.attempt is not None or args.events) and not args.logs:
+        parser.error("--attempt and --events go with --logs")
     try:
+        if args.logs:
+            print_logs(args.uri, args.attempt, args.events)
+            return 0
         store, runs, rows, single = gather(args.uri, args.stale_after)
         print(report(rows, single, args.json))
         if args.plot:
@@ -493,6 +713,8 @@ def main(argv: list[str] | None = None) -> int:
     except Unavailable as err:
         print(f"status: error: {err}", file=sys.stderr)
         return EXIT_UNAVAILABLE
+    except BrokenPipeError:  # `status.py --logs RUN | head`: the reader has seen enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -5,7 +5,7 @@ Usage:
     python scripts/submit.py gpt-run --image REGISTRY/gpt-trainer:TAG \\
         --code s3://bucket/gpt/code/ --data s3://bucket/gpt/data/ --output s3://bucket/gpt/runs/gpt-run/ \\
         [--engine job|indexed|jobset|pytorchjob] [--nodes N] [--gpus-per-node G] \\
-        [--train-config config/conf.yaml] [--train-script train.py] [--dry-run | --apply]
+        [--train-config config/conf.yaml] [--train-script train.py] [--dry-run | --apply | --check]
 
 Prints one YAML stream (--dry-run, the default) or pipes it to `kubectl apply -f -` (--apply): the
 ConfigMap made from job/ by `kubectl create configmap script-configmap --from-file=job/ --dry-run=client`,
@@ -15,6 +15,10 @@ only requests signed with it; --apply keeps the one a cluster already has), a Ne
 needs one, and the workload. The stream holds the group's key: keep it like the Secret it is. The
 AWS Secret is only referenced (the pod's `envFrom: aws-credentials, optional`, as in job.yaml);
 credentials never pass through here. Values set from flags are literal: a '$' is written '$$'.
+--check prints instead what the run's pods would refuse, found from here before the first GPU
+minute (scripts/lib/preflight.py: the settings, the S3 URIs with this machine's credentials, the
+code, the config with TRAIN_ARGS, the data, the output), and exits 0, 64 (a pod would refuse it)
+or 75 (S3 unreachable).
 
 Every workload starts from job.yaml's pod template (read, deep-copied) and changes only what its
 engine needs: names and labels, the image, env values, nvidia.com/gpu, the replica counts and the
@@ -168,6 +172,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", dest="apply", action="store_false", help="print the YAML stream (default)")
     mode.add_argument("--apply", dest="apply", action="store_true", help="kubectl apply -f - the stream")
+    mode.add_argument("--check", action="store_true",
+                      help="check what the pods would refuse (settings, S3, code, config, data), apply nothing")
     parser.set_defaults(apply=False)  # else --dry-run's store_false would make applying the default
     args = parser.parse_args(argv)
     check_args(args)
@@ -490,9 +496,19 @@ def to_yaml(documents: list[dict]) -> str:
     return yaml.safe_dump_all(documents, sort_keys=False, default_flow_style=False)
 
 
+def check_run(args: argparse.Namespace) -> int:
+    """--check: the rendered workload's pod, checked against S3 as its pods would meet it."""
+    sys.path.insert(0, str(ROOT / "scripts" / "lib"))
+    import preflight  # noqa: PLC0415 - boto3 and the trainer's checks, only for --check
+
+    return preflight.check(render(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
+        if args.check:
+            return check_run(args)
         documents = [render_configmap(), *render(args)]
         if args.apply:
             apply(to_yaml(keep_existing_group_secret(documents)))

@@ -9,6 +9,7 @@
 # by themselves. The pod uploads event files every SYNC_INTERVAL_SECONDS and TensorBoard re-reads
 # them every --reload_interval (5 s by default), so new points show up without a restart.
 #
+# Names read from S3 are shown with control characters as "?" (never sent to the terminal as they are).
 # Serves on 127.0.0.1 unless --host or --bind_all is given; reads S3 with --load_fast=false (the
 # Rust data server reads only local and gs:// paths). Other arguments go to tensorboard as they are.
 #
@@ -26,7 +27,15 @@ readonly EXIT_UNAVAILABLE=75
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 readonly ROOT
 
-say() { echo "tensorboard.sh: $*" >&2; }
+# Every line is printable: run names come from S3.
+say() { echo "tensorboard.sh: $(printable "$*")" >&2; }
+
+# Text for the terminal: control characters (C0, DEL, C1) and bidirectional overrides as "?", so a
+# run's name cannot move the cursor, retitle the window or reorder the line.
+printable() {
+  printf '%s' "$1" | tr '\n' '?' |
+    LC_ALL=C sed -E 's/[\x01-\x1f\x7f]/?/g; s/\xc2[\x80-\x9f]/?/g; s/\xe2\x80[\xaa-\xae]/?/g; s/\xe2\x81[\xa6-\xa9]/?/g'
+}
 die() {
   local code=$1; shift
   say "error: $*"
@@ -66,6 +75,9 @@ find_tool() {
   fi
 }
 
+# Where (`cut -c` counts bytes) the text after $1 starts, whatever letters $1 has.
+position_after() { local LC_ALL=C; echo "$((${#1} + 1))"; }
+
 # Every key under the URI (relative to it), one a line; dies with one line on S3 errors.
 list_keys() {
   local uri=$1 endpoint=$2 prefix aws output code=0
@@ -82,7 +94,7 @@ list_keys() {
     [[ -z "${reason}" ]] || die "${EXIT_BAD_INPUT}" "${reason}"
   fi
   case "${code}:${output}" in
-    0:*) sed -E 's/^[0-9-]+ [0-9:]+ +[0-9]+ //' <<<"${output}" | cut -c "$((${#prefix} + 1))-" ;;
+    0:*) sed -E 's/^[0-9-]+ [0-9:]+ +[0-9]+ //' <<<"${output}" | cut -c "$(position_after "${prefix}")-" ;;
     1:) ;;  # nothing under the prefix
     *"Could not connect"* | *"Connect timeout"* | *"Read timeout"* | *"(5"[0-9][0-9]")"*)
       die "${EXIT_UNAVAILABLE}" "S3 unreachable at ${endpoint:-AWS S3}: $(tail -n 1 <<<"${output}")" ;;
@@ -122,8 +134,20 @@ has_option() {
   return 1
 }
 
+readonly USAGE="usage: scripts/tensorboard.sh S3_URI [tensorboard args...]"
+
+# The usage, then the header comment above.
+help() {
+  printf '%s\n\n' "${USAGE}"
+  sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+}
+
 main() {
-  [[ $# -ge 1 && "$1" != -* ]] || die "${EXIT_BAD_INPUT}" "usage: scripts/tensorboard.sh S3_URI [tensorboard args...]"
+  if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+    help
+    return 0
+  fi
+  [[ $# -ge 1 && "$1" != -* ]] || die "${EXIT_BAD_INPUT}" "${USAGE} (--help says more)"
   local uri endpoint keys tensorboard
   uri=$(check_uri "$1")
   shift

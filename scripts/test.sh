@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the test suite, the same way on a laptop and in CI: sets up .venv, then pytest.
 #
+# Usage:
 #   ./scripts/test.sh            everything: unit tests, then the end-to-end runs (root, local S3)
 #   ./scripts/test.sh --quick    the unit tests alone: no root, no S3 server, under a minute
 #
@@ -13,7 +14,14 @@
 # Each worker has its own local S3; pods pick their own ports and addresses.
 set -o errexit -o nounset -o pipefail
 
+# The header comment above is the help.
+help() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
+
 main() {
+  if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+    help
+    return 0
+  fi
   local root
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   # shellcheck source=scripts/lib/venv.sh

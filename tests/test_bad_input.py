@@ -31,6 +31,7 @@ class Case:
     env: dict = field(default_factory=dict)
     prepare: Callable | None = None  # (lab, tmp_path) -> extra env, may stage things in S3
     never_shown: tuple = ()  # values that must appear nowhere in the pod's output (secrets)
+    before_data: bool = False  # refused right after the code sync: no data synced, no lease, no torchrun
 
 
 @pytest.fixture(scope="module")
@@ -175,10 +176,14 @@ CASES = [
          {"TRAIN_SCRIPT": "nope.py"}),
     Case("finetune.py without a model", 64, "S3_MODEL_URI is not set; TRAIN_SCRIPT=finetune.py needs a model snapshot",
          {"TRAIN_SCRIPT": "finetune.py"}),
-    Case("config YAML syntax error", 64, "YAML syntax error at line", prepare=yaml_syntax_error),
+    Case("config YAML syntax error", 64, "YAML syntax error at line", prepare=yaml_syntax_error, before_data=True),
     Case("config unknown key", 64, "unknown setting model.n_layers; did you mean model.n_layer?",
-         {"TRAIN_ARGS": "--set model.n_layers=3"}),
-    Case("config wrong type", 64, "train.max_steps must be an integer, got 'many'", {"TRAIN_ARGS": "--set train.max_steps=many"}),
+         {"TRAIN_ARGS": "--set model.n_layers=3"}, before_data=True),
+    Case("config wrong type", 64, "train.max_steps must be an integer, got 'many'", {"TRAIN_ARGS": "--set train.max_steps=many"},
+         before_data=True),
+    Case("TRAIN_ARGS with an argument the trainer lacks", 64,
+         "train.py refuses its settings (TRAIN_CONFIG=config/tiny.yaml, TRAIN_ARGS): train.py: error: unrecognized "
+         "arguments: --sett", {"TRAIN_ARGS": "--sett train.max_steps=5"}, before_data=True),
     Case("data vocabulary larger than the model's", 64, "model.vocab_size (256) is smaller than the data's vocabulary (50257",
          prepare=unknown_vocabulary),
     Case("NPROC_PER_NODE of 0", 64, "NPROC_PER_NODE=0 must be a positive integer", {"NPROC_PER_NODE": "0"}),
@@ -208,7 +213,8 @@ CASES = [
          {"TRAIN_ARGS": "--set 'train.max_steps=10"}),
     # Split as a shell would: the second line reaches the trainer, the quoted value stays whole.
     Case("TRAIN_ARGS over two lines, quoted", 64, "train.max_steps must be an integer, got 'two words'",
-         {"TRAIN_ARGS": "--set train.seed=1\n--set 'train.max_steps=two words'"}),
+         {"TRAIN_ARGS": "--set train.seed=1\n--set 'train.max_steps=two words'"}, before_data=True),
+    Case("S3_OUTPUT_URI with a newline", 64, "holds a control character", {"S3_OUTPUT_URI": f"s3://{BUCKET}/runs/x/\n"}),
     Case("a token id past model.vocab_size", 64, "/train.bin holds token id 300 (token ",
          prepare=token_id_past_the_vocabulary),
     Case("requirements that fail to install", 64, "the code's requirements cannot be installed", prepare=bad_requirements),
@@ -261,6 +267,10 @@ def test_bad_input_gets_one_line_the_right_exit_code_and_s3_keeps_what_it_had(la
         assert case.message in errors[0]
     else:
         assert not errors, errors
+    if case.before_data:
+        phases = [e["name"] for e in pod.events if e["event"] == "phase" and e["state"] == "start"]
+        assert phases == ["check S3 access", "sync code", "python environment", "check the trainer's settings"], phases
+        assert "torchrun" not in pod.output, "no trainer started, no torchrun banner"
     for key, etag in before.items():
         if key.rsplit("/", 1)[-1] in BOOKKEEPING or (case.code == 0 and "/checkpoints/" in key):
             continue  # a redone checkpoint replaces the damaged one it was told to ignore

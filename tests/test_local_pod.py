@@ -315,6 +315,7 @@ def test_startup_probe_that_never_succeeds_kills_the_container_before_liveness_r
     assert result.returncode == 137
     # The probe's grace (1 s), not the pod's default 30 s.
     assert "Startup probe failed (2/2): exit code 1; killing container with grace 1s" in result.stderr
+    assert "Startup probe failed (1/2)" not in result.stderr  # a starting pod fails it: said when it kills
     assert "Liveness" not in result.stderr  # it waits for the startup probe
 
 

@@ -55,8 +55,8 @@ def test_happy_path_ends_with_complete(run, reference_cache):
     assert status["state"] == "completed" and status["attempts"][0]["exit_code"] == 0
     assert "lease.json" not in keys, "the lease is released on exit"
     done = [e["name"] for e in pod.events if e["event"] == "phase" and e["state"] == "done"]
-    assert done == ["check S3 access", "sync code", "python environment", "sync data", "take the run's lease",
-                    "restore checkpoint", "final upload"], pod.output
+    assert done == ["check S3 access", "sync code", "python environment", "check the trainer's settings", "sync data",
+                    "take the run's lease", "restore checkpoint", "final upload"], pod.output
     assert [e["event"] for e in pod.events if e["event"] in ("ready", "exit")] == ["ready", "exit"]
     assert pod.events[-1]["event"] == "exit" and pod.events[-1]["code"] == 0
     assert [(e["state"], e["step"]) for e in pod.events if e["event"] == "complete"] == [
@@ -96,6 +96,8 @@ def test_pod_deletion_leaves_a_checkpoint_of_the_current_step_in_s3(run):
     assert newest >= 12, newest
     assert run.verify_in_s3(f"step-{newest:08d}") is None
     assert "got SIGTERM" in pod.output and f"SIGTERM: step {newest} finished" in pod.output
+    assert "torchrun: stopped by SIGTERM; its workers were told to stop" in pod.output
+    assert "Traceback" not in pod.output and "SignalException" not in pod.output, "one line, not 30"
     assert [(e["signal"], e["step"]) for e in pod.events if e["event"] == "stopped"] == [("SIGTERM", newest)]
     status = run.json("status.json")
     assert status["state"] == "interrupted" and status["attempts"][-1]["exit_code"] == 143
@@ -111,6 +113,8 @@ def test_run_after_complete_exits_at_once_without_touching_s3(run):
     code, pod = run.run()
     assert code == 0
     assert "COMPLETE exists: this run is finished" in pod.output
+    assert f"To train it further, raise train.max_steps and remove COMPLETE (aws s3 rm {run.output_uri}COMPLETE)" \
+        in pod.output, "it says what to do"
     assert "sync code" not in pod.output and "torchrun" not in pod.output, "at once: nothing synced or run"
     assert run.keys() == before
 

@@ -7,7 +7,7 @@ come, and the lag is measured) and deleted, resumed by its next pod (TensorBoard
 the new event file) and deleted again (interrupted). "crashed" and "stalled" are copies of the
 live run whose real status.json is edited as dead pods leave it: failed (exit 1 after a lost
 attempt) and stale (still "running", heartbeat an hour old). "misconfigured" is a real failure: its
-trainer rejects a setting.
+trainer finds its data too short for its model once the pod holds the lease.
 """
 
 from __future__ import annotations
@@ -61,12 +61,12 @@ def lab(module_s3, s3_endpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def done(lab):
-    """A run one pod trained to the end; beside it, a run whose trainer rejects its settings (it
-    exits 64 after the pod took the lease, so the uploader reports it failed)."""
+    """A run one pod trained to the end; beside it, a run whose trainer rejects its data (it exits 64
+    after the pod took the lease, so the uploader reports it failed, with the pod's last error line)."""
     run = Run(lab.s3, lab.endpoint, lab.folder / "done", name="done").stage()
     (lab.folder / "misconfigured").mkdir()
     misconfigured = Run(lab.s3, lab.endpoint, lab.folder / "misconfigured", name="misconfigured")
-    failing = misconfigured.start(TRAIN_ARGS="--set train.max_steps=many")
+    failing = misconfigured.start(TRAIN_ARGS="--set model.block_size=10000000")
     code, pod = run.run()
     assert code == 0, pod.output
     assert failing.wait() == 64, failing.output
@@ -158,8 +158,8 @@ class TensorBoard:
                 runs = self.runs()
                 if set(names) <= set(runs):
                     return runs
-            except (urllib.error.URLError, ConnectionError):
-                pass
+            except (urllib.error.URLError, TimeoutError, ConnectionError):
+                pass  # not listening yet, or a slow answer on a loaded machine (as scalars): ask again
             time.sleep(0.25)
         raise AssertionError(f"TensorBoard shows no {names}; output:\n{''.join(self.output)}")
 
@@ -327,7 +327,8 @@ def test_status_table_shows_each_runs_state_sorted_by_name(states, done, watched
     result = run_status(RUNS)
     assert result.returncode == 0, result.stderr
     print("\n" + result.stdout)
-    header, *rows = result.stdout.splitlines()
+    table, notes = result.stdout.split("\n\n")
+    header, *rows = table.splitlines()
     assert header.split() == ["RUN", "STATE", "STEP", "BEST", "VAL", "ATTEMPTS", "HEARTBEAT", "SIZE"]
     cells = {row.split()[0]: row.split() for row in rows}
     assert [row.split()[0] for row in rows] == sorted(states)
@@ -337,6 +338,9 @@ def test_status_table_shows_each_runs_state_sorted_by_name(states, done, watched
     assert cells["stalled"][5:7] == ["1h", "ago"] and cells["crashed"][4] == "2"
     assert cells["done"][8] == "MB"
     assert cells["misconfigured"][2:4] == ["-", "-"], "no step committed, no loss"
+    assert re.fullmatch(r"misconfigured +attempt 1: the trainer stopped on bad input: \S+/train\.bin holds \d+ "
+                        r"tokens, fewer than model\.block_size\+2 \(10000002\); give more data or a smaller block_size",
+                        notes.strip()), "why the failed run failed, under the table"
 
 
 def test_status_json_gives_the_same_for_machines(states, done):
@@ -365,13 +369,28 @@ def test_status_of_one_run_shows_each_attempt(states, done):
     misconfigured = run_status(f"{RUNS}misconfigured")
     (only,) = attempt_rows(misconfigured.stdout)
     assert re.match(r"1 +gpt-train-\w+ .* 64 +\?→\?$", only), "exit 64 before any step"
+    assert misconfigured.stdout.splitlines()[-1].startswith("attempt 1: the trainer stopped on bad input: ")
+    assert "fewer than model.block_size+2" in json.loads(run_status(f"{RUNS}misconfigured", "--json").stdout)[
+        "attempt_history"][0]["error"]
     detail = json.loads(run_status(done.output_uri, "--json").stdout)
     assert detail["state"] == "completed" and detail["attempt_history"][0]["exit_code"] == 0
 
 
 def attempt_rows(detail: str) -> list[str]:
     lines = detail.splitlines()
-    return lines[next(i for i, line in enumerate(lines) if line.startswith("ATTEMPT")) + 1:]
+    rows = lines[next(i for i, line in enumerate(lines) if line.startswith("ATTEMPT")) + 1:]
+    return rows[:rows.index("")] if "" in rows else rows
+
+
+def test_status_logs_print_the_pods_log_from_s3_as_kubectl_logs_showed_it(done):
+    result = run_status(done.output_uri, "--logs")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert re.fullmatch(r"== attempt 1, pod gpt-train-\w+ ==", lines[0])
+    assert " script: pod gpt-train-" in lines[1] and " starting: code " in lines[1]
+    assert "train: step 60/60 | loss" in result.stdout and " script: final upload (trainer exit 0)..." in result.stdout
+    assert not any(line.startswith("EVENT ") for line in lines), "the events stay out, as in kubectl logs"
+    assert re.search(r"status: \d+ EVENT lines \(for tools\) not shown; --events shows them", result.stderr)
 
 
 def test_status_plot_draws_every_runs_loss_curves_into_a_png(states, tmp_path):

@@ -166,3 +166,62 @@ def test_script_sh_logs_what_the_aws_cli_said_on_one_line_without_control_charac
         assert b"\r" not in text and b"\x1b" not in text
     assert b"(x): ?[1A?EVENT" in log.read_bytes(), "said, on one line"
     assert wait_for_exit_0(log) == 1, "the pod exited 75; no line may say 0"
+
+
+def bash_array(name: str) -> list[str]:
+    found = re.search(rf"^readonly {name}=\((.*?)\)$", SCRIPT.read_text(), flags=re.M | re.S)
+    return found.group(1).split()
+
+
+def test_script_sh_names_the_settings_the_contract_names():
+    assert bash_array("SETTINGS") == list(contract.SETTINGS)
+    assert bash_array("CONTROLLER_SETTINGS") == list(contract.CONTROLLER_SETTINGS)
+    assert dict(re.findall(r"^readonly (POD_ERROR)=(\S+)", SCRIPT.read_text(), flags=re.M)) == \
+        {"POD_ERROR": contract.POD_ERROR}
+
+
+def test_script_sh_header_documents_every_setting():
+    header = SCRIPT.read_text().split("\nset -o errexit")[0]
+    rows = re.findall(r"^#   ([A-Z0-9_]+(?:, [A-Z0-9_]+)*) ", header, flags=re.M)
+    documented = {name for row in rows for name in row.split(", ")}
+    assert documented == set(contract.SETTINGS)
+
+
+@pytest.mark.parametrize("names,expected", [
+    (["TRAIN_ARG"], [("TRAIN_ARG", "TRAIN_ARGS")]),
+    (["train_config"], [("train_config", "TRAIN_CONFIG")]),
+    (["S3_OUPUT_URI", "WORKDIR"], [("S3_OUPUT_URI", "S3_OUTPUT_URI"), ("WORKDIR", "WORK_DIR")]),
+    (["LEASE_TTL_SECOND"], [("LEASE_TTL_SECOND", "LEASE_TTL_SECONDS")]),
+    (["NNODE"], [("NNODE", "NNODES")]),
+    (["TRAIN_ARGS", "RANK", "MASTER_ADDR"], []),  # the settings themselves
+    (["PET_NPROC_PER_NODE", "AWS_ENDPOINT_URL_S3", "PET_NNODES", "NODE_RANK", "WORLD_SIZE", "HOSTNAME"], []),
+])
+def test_near_misses_are_names_a_typo_away_from_a_setting(names, expected):
+    assert contract.near_misses(names) == expected
+
+
+def test_wait_gives_up_as_soon_as_the_pod_it_watches_has_ended(tmp_path):
+    import subprocess
+    import sys
+    import time
+    log = tmp_path / "pod.log"
+    log.write_text("2026 script: error: S3_DATA_URI holds no train.bin\n")
+    pod = subprocess.Popen(["sleep", "1"])
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / "contract.py"), "wait", "--pid", str(pod.pid),
+                             str(log), "600", "uploaded", "step=100"], capture_output=True, text=True, timeout=60)
+    pod.wait()
+    assert result.returncode == 1 and f"process {pod.pid} ended" in result.stderr
+    assert time.monotonic() - started < 60  # not the 600 s it was given
+
+
+def test_wait_with_a_pid_still_finds_the_event_the_pod_wrote_before_it_ended(tmp_path):
+    import subprocess
+    import sys
+    log = tmp_path / "pod.log"
+    log.write_text('EVENT {"event": "exit", "code": 64}\n')
+    done = subprocess.Popen(["true"])
+    done.wait()
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / "contract.py"), "wait", "--pid", str(done.pid),
+                             str(log), "600", "exit"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and '"code": 64' in result.stdout

@@ -88,3 +88,18 @@ def test_a_worker_stopped_at_the_gate_ends_without_running_the_trainer(tmp_path)
     worker.terminate()
     output, _ = worker.communicate(timeout=60)
     assert worker.returncode == -15 and "REPORT " not in output
+
+
+def test_an_exception_the_trainer_lets_through_is_recorded_for_torchrun_and_still_printed(tmp_path):
+    folder = tmp_path / "code"
+    folder.mkdir()
+    (folder / "trainer.py").write_text("def step():\n    raise ValueError('the loss is a string')\n\nstep()\n")
+    (tmp_path / "gate").write_text("go\n")
+    error_file = tmp_path / "error.json"
+    worker = start(tmp_path, env={"TORCHELASTIC_ERROR_FILE": str(error_file)})
+    output, _ = worker.communicate(timeout=120)
+    assert worker.returncode == 1, output
+    assert "Traceback" in output and output.rstrip().endswith("ValueError: the loss is a string")
+    recorded = json.loads(error_file.read_text())["message"]
+    assert recorded["message"] == "ValueError: the loss is a string"
+    assert "in step" in recorded["extraInfo"]["py_callstack"]

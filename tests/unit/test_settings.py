@@ -76,6 +76,17 @@ BAD = [
     ("CHECKPOINT_HMAC_KEY", HMAC_KEY[:15], "CHECKPOINT_HMAC_KEY is set but shorter than 16 bytes"),
     ("TRAIN_ARGS", "--set 'train.max_steps=10", "TRAIN_ARGS has an unbalanced quote"),
     ("TRAIN_ARGS", "--set train.max_steps=10 \\", "TRAIN_ARGS ends in a lone backslash"),
+    ("EVENTS", "json", "EVENTS=json must be log (in the log file and its copy in S3) or stdout"),
+    # Control characters: a newline in a URI reached the S3 calls (exit 75, retried), an escape the terminal.
+    ("S3_OUTPUT_URI", "s3://bucket/runs/r/\nx", "S3_OUTPUT_URI=s3://bucket/runs/r/?x holds a control character"),
+    ("S3_CODE_URI", "s3://bucket/code/\n", "S3_CODE_URI=s3://bucket/code/? holds a control character"),
+    ("S3_DATA_URI", "s3://bucket/da\rta/", "S3_DATA_URI=s3://bucket/da?ta/ holds a control character"),
+    ("AWS_ENDPOINT_URL", "http://127.0.0.1:9000\n", "AWS_ENDPOINT_URL=http://127.0.0.1:9000? holds a control character"),
+    ("AWS_ENDPOINT_URL", "http://user:pw@s3\n.local", "AWS_ENDPOINT_URL=http://***@s3?.local holds a control"),
+    ("TRAIN_SCRIPT", "train\x1b[2J.py", "TRAIN_SCRIPT=train?[2J.py holds a control character"),
+    ("TRAIN_ARGS", "--set a=1\x1b]0;pwned\x07", "TRAIN_ARGS=--set a=1?]0;pwned? holds a control character"),
+    ("LEASE_TTL_SECONDS", "30\n", "LEASE_TTL_SECONDS=30? holds a control character"),
+    ("S3_OUTPUT_URI", "s3://bucket/runs/\u009b2Jr/", "S3_OUTPUT_URI=s3://bucket/runs/?2Jr/ holds a control character"),
 ]
 
 
@@ -85,6 +96,7 @@ def test_a_bad_setting_stops_the_pod_with_one_line_before_any_s3_call(pod, name,
     assert code == 64, lines
     errors = [line for line in lines if "error: " in line]
     assert len(errors) == 1 and message in errors[0], lines
+    assert not any(c in errors[0] for c in "\r\x1b\x07"), "no control character reaches the terminal"
     assert "fix it in job.yaml" in errors[0] or "; " in errors[0], "the line says how to fix it"
     assert not any(" starting: code " in line for line in lines), "stopped before the S3 check"
     if name == "CHECKPOINT_HMAC_KEY" and value:
@@ -143,6 +155,48 @@ def test_good_settings_pass_and_a_key_never_shows(pod, settings):
     code, lines = pod(**settings)
     assert passed_validation(code, lines), lines
     assert HMAC_KEY not in "\n".join(lines) and GROUP_SECRET not in "\n".join(lines)
+    assert not any("did you mean" in line for line in lines), lines
+
+
+# -- names that are no setting ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,setting", [
+    ("TRAIN_ARG", "TRAIN_ARGS"), ("SYNC_INTERVAL_SECOND", "SYNC_INTERVAL_SECONDS"), ("S3_OUTPUT_URL", "S3_OUTPUT_URI"),
+    ("train_args", "TRAIN_ARGS"), ("LEASE_TLL_SECONDS", "LEASE_TTL_SECONDS"), ("NPROC_PER_NODES", "NPROC_PER_NODE"),
+])
+def test_a_mistyped_setting_gets_a_warning_that_names_the_setting_and_the_pod_goes_on(pod, name, setting):
+    code, lines = pod(**{name: "secret-value-1"})
+    assert passed_validation(code, lines), lines
+    warnings = [line for line in lines if "did you mean" in line]
+    assert len(warnings) == 1, lines
+    assert f"warning: {name} is not a setting of the pod, so it is ignored; did you mean {setting}?" in warnings[0]
+    assert "secret-value-1" not in "\n".join(lines), "a value is never shown: it may be a secret"
+
+
+def test_the_many_other_names_of_a_pods_env_get_no_word(pod):
+    others = {name: "1" for name in (
+        "PET_NPROC_PER_NODE", "PET_NNODES", "PET_MASTER_PORT", "AWS_ENDPOINT_URL_S3", "AWS_REGION",
+        "KUBERNETES_SERVICE_HOST", "KUBERNETES_PORT_443_TCP", "NVIDIA_VISIBLE_DEVICES", "WORLD_SIZE", "LOCAL_RANK",
+        "NODE_RANK", "S3_ENDPOINT", "OMP_NUM_THREADS", "NCCL_DEBUG", "PIP_INDEX_URL", "HF_HOME", "TMPDIR")}
+    code, lines = pod(**others)
+    assert passed_validation(code, lines), lines
+    assert not any("did you mean" in line or "warning" in line for line in lines), lines
+
+
+# -- where the event lines go -------------------------------------------------------------------------
+
+def test_events_stay_in_the_log_file_and_out_of_kubectl_logs_unless_asked(pod, tmp_path):
+    log = tmp_path / "work" / ".pod" / "pod.log"
+    code, lines = pod()
+    assert passed_validation(code, lines), lines
+    assert not any(line.startswith("EVENT ") for line in lines), lines
+    in_file = log.read_text().splitlines()
+    assert [line for line in in_file if line.startswith("EVENT ")][-1].startswith('EVENT {"event": "exit"'), in_file
+    assert [line for line in in_file if not line.startswith("EVENT ")] == lines, "the same prose in both"
+
+    code, lines = pod(EVENTS="stdout")
+    assert passed_validation(code, lines), lines
+    assert any(line.startswith('EVENT {"event": "exit"') for line in lines), lines
 
 
 # -- TRAIN_ARGS: words as a shell splits them, nothing evaluated ---------------------------------

@@ -20,15 +20,40 @@ STALE = 300.0
     ("interrupted by SIGTERM", {"state": "interrupted", "attempts": [{"exit_code": 143}]}, False, "interrupted"),
     ("a crash", {"state": "interrupted", "attempts": [{"exit_code": 1}]}, False, "failed"),
     ("failed", {"state": "failed"}, False, "failed"),
-    ("exit 0 without COMPLETE", {"state": "completed", "attempts": [{"exit_code": 0}]}, False, "incomplete"),
-    # Anyone who may write the bucket may write these: a wrong shape is "unknown" or ignored, never a crash.
-    ("state not a string", {"state": ["running"]}, False, "unknown"),
-    ("heartbeat not a number", {"state": "running", "heartbeat_at": "soon"}, False, "stale"),
-    ("attempts not a list", {"state": "interrupted", "attempts": "many"}, False, "interrupted"),
-    ("an attempt not a mapping", {"state": "interrupted", "attempts": [7]}, False, "interrupted"),
+    ("exit 0 without COMPLETE", {"state": "completed", "attempts": [{"started_at": NOW, "exit_code": 0}]}, False,
+     "incomplete"),
+    # Anyone who may write the bucket may write these: a field of another type makes the run
+    # "unreadable" (the table says why), never a crash that hides the other runs.
+    ("state not a string", {"state": ["running"]}, False, "unreadable"),
+    ("heartbeat not a number", {"state": "running", "heartbeat_at": "soon"}, False, "unreadable"),
+    ("heartbeat past 2100", {"state": "running", "heartbeat_at": 1e300}, False, "unreadable"),
+    ("attempts not a list", {"state": "interrupted", "attempts": "many"}, False, "unreadable"),
+    ("an attempt not a mapping", {"state": "interrupted", "attempts": [7]}, False, "unreadable"),
+    ("an exit code not a number", {"state": "interrupted", "attempts": [{"exit_code": "1"}]}, False, "unreadable"),
 ])
 def test_state_of_a_run(case, record, complete, expected):
-    assert status.state_of(record, complete, STALE, NOW) == expected
+    assert state(record, complete) == expected
+
+
+def state(record: dict, complete: bool) -> str:
+    try:
+        fields = status.Fields(record, "status.json")
+        attempts = [status.attempt_of(a, "attempt") for a in fields.items("attempts")]
+        return status.state_of(fields, attempts, complete, STALE, NOW)
+    except status.Unreadable:
+        return "unreadable"
+
+
+@pytest.mark.parametrize("text,shown", [
+    ("run-1", "run-1"),
+    ("evil\x1b]0;title\x07", "evil\\x1b]0;title\\x07"),
+    ("rtl\u202eexe.txt", "rtl\\u202eexe.txt"),
+    ("tab\there", "tab\\x09here"),
+    ("é ü 日本", "é ü 日本"),
+    ("x" * 400, "x" * 297 + "..."),
+])
+def test_what_comes_from_s3_is_printable(text, shown):
+    assert status.printable(text) == shown
 
 
 def objects(*keys: str) -> list[dict]:

@@ -163,3 +163,19 @@ def test_keep_comes_from_the_manifest_when_it_makes_sense(tmp_path, meta, keep):
             file.write(b"w")
         staged.commit(meta=meta)
     assert uploader._keep_of(tmp_path / "step-00000005") == keep
+
+
+@pytest.mark.parametrize("written,kept", [
+    (None, None),  # the pod said no error
+    (b"", None),
+    (b"the trainer failed with exit 1: ZeroDivisionError: division by zero\n",
+     "the trainer failed with exit 1: ZeroDivisionError: division by zero"),
+    (b"a\nsecond line\tand a tab", "a second line and a tab"),  # one line
+    (b"escape \x1b[2J bell \x07 here", "escape \\x1b[2J bell \\x07 here"),  # nothing for a terminal to obey
+    (b"\xff not utf-8", "\ufffd not utf-8"),
+    (b"x" * 5000, "x" * 297 + "..."),
+])
+def test_a_failed_attempt_keeps_the_pods_last_error_line_bounded_and_escaped(tmp_path, written, kept):
+    if written is not None:
+        (tmp_path / "last-error.txt").write_bytes(written)
+    assert uploader.last_error(tmp_path) == kept

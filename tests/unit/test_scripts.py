@@ -1,0 +1,37 @@
+"""Every script a person runs from scripts/ runs as typed (its run bit and shebang) and answers
+--help and -h with its usage and exit 0, before it needs root, a venv, S3 or arguments."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(p for p in (ROOT / "scripts").iterdir() if p.is_file())
+
+
+def test_the_scripts_are_the_ones_this_file_knows():
+    assert [p.name for p in SCRIPTS] == ["demo.sh", "prepare_data.py", "stage.sh", "status.py", "submit.py",
+                                         "tensorboard.sh", "test.sh"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_runs_as_typed(script):
+    assert os.access(script, os.X_OK), f"{script.name} has no run bit: chmod +x scripts/{script.name}"
+    first = script.read_text().splitlines()[0]
+    assert first in ("#!/usr/bin/env bash", "#!/usr/bin/env python3"), first
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_prints_its_usage_on_help(script, flag, tmp_path):
+    # No AWS, no root needed, nothing written to the working folder.
+    result = subprocess.run([str(script), flag], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                            env={**os.environ, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+    assert result.returncode == 0, result.stderr
+    assert "usage" in result.stdout.lower(), result.stdout
+    assert result.stderr == ""
+    assert list(tmp_path.iterdir()) == []
