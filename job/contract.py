@@ -115,8 +115,9 @@ SETTINGS = (
     "READY_FILE", "HEALTH_FILE", "HEALTH_MAX_AGE_SECONDS", "AWS_ENDPOINT_URL", "AWS_MAX_ATTEMPTS",
     "AWS_RETRY_MODE", "S3_RETRY_SECONDS", "S3_LEASE", "LEASE_TTL_SECONDS", "LEASE_WAIT_SECONDS",
     "S3_SYNC_TOOL", "CHECKPOINT_HMAC_KEY", "EVENTS", "NNODES", "RDZV_ENDPOINT", "RDZV_TIMEOUT_SECONDS",
+    "GROUP_SECRET",
 )
-SECRET_SETTINGS = ("CHECKPOINT_HMAC_KEY",)  # never shown; its bytes are its own business
+SECRET_SETTINGS = ("CHECKPOINT_HMAC_KEY", "GROUP_SECRET")  # never shown; its bytes are its own business
 # Read too, but set by a controller, not by hand: the node rank and the operator's rendezvous.
 CONTROLLER_SETTINGS = ("JOB_COMPLETION_INDEX", "PET_NODE_RANK", "RANK", "MASTER_ADDR", "MASTER_PORT")
 EVENTS_CHOICES = ("log", "stdout")  # EVENTS: where the event lines go besides the log (below)

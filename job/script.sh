@@ -79,7 +79,7 @@ readonly SETTINGS=(S3_CODE_URI S3_DATA_URI S3_OUTPUT_URI S3_MODEL_URI WORK_DIR N
   TRAIN_SCRIPT TRAIN_CONFIG TRAIN_ARGS SYNC_INTERVAL_SECONDS UPLOAD_RETRY_SECONDS
   READY_FILE HEALTH_FILE HEALTH_MAX_AGE_SECONDS AWS_ENDPOINT_URL AWS_MAX_ATTEMPTS
   AWS_RETRY_MODE S3_RETRY_SECONDS S3_LEASE LEASE_TTL_SECONDS LEASE_WAIT_SECONDS
-  S3_SYNC_TOOL CHECKPOINT_HMAC_KEY EVENTS NNODES RDZV_ENDPOINT RDZV_TIMEOUT_SECONDS)
+  S3_SYNC_TOOL CHECKPOINT_HMAC_KEY EVENTS NNODES RDZV_ENDPOINT RDZV_TIMEOUT_SECONDS GROUP_SECRET)
 readonly CONTROLLER_SETTINGS=(JOB_COMPLETION_INDEX PET_NODE_RANK RANK MASTER_ADDR MASTER_PORT)
 readonly POD_ERROR=last-error.txt  # contract.POD_ERROR
 # lease.py acquire writes this file in STATE_DIR once it holds the lease (contract.LEASE_STATE):
@@ -278,7 +278,7 @@ check_no_overlap() {
 check_no_control_characters() {
   local name value shown_value LC_ALL=C c1=$'\xc2'[$'\x80'-$'\x9f']
   for name in "${SETTINGS[@]}" "${CONTROLLER_SETTINGS[@]}"; do
-    [[ -v "${name}" && "${name}" != CHECKPOINT_HMAC_KEY ]] || continue
+    [[ -v "${name}" && "${name}" != CHECKPOINT_HMAC_KEY && "${name}" != GROUP_SECRET ]] || continue
     value=${!name}
     [[ "${name}" != TRAIN_ARGS ]] || value=${value//[$'\n\t']/ }
     [[ "${value}" == *[[:cntrl:]]* || "${value}" == *${c1}* ]] || continue
