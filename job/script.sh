@@ -847,7 +847,9 @@ launch_args() {
 }
 
 # The shipped trainers check their config and arguments with --check: no torch, no data, a second.
-trainer_has_check() { [[ "${TRAIN_SCRIPT}" == train.py || "${TRAIN_SCRIPT}" == finetune.py ]]; }
+# Known by its argument, not its name: a user's own script is often called train.py too, and
+# running it for a check would train (and commit steps) before the pod has restored anything.
+trainer_has_check() { grep -qsF 'add_argument("--check"' "${CODE_DIR}/${TRAIN_SCRIPT}"; }
 
 # A typo in TRAIN_CONFIG's file or in TRAIN_ARGS fails the pod here, in one line, before the data,
 # the lease and the GPUs: the trainer's 64 (a setting) or argparse's 2 (an argument). Anything else
