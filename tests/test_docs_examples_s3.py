@@ -42,9 +42,10 @@ def block_env(endpoint: str, home: Path) -> dict:
     return env
 
 
-def run(command: list[str], cwd: Path, env: dict) -> None:
+def run(command: list[str], cwd: Path, env: dict) -> str:
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{' '.join(command)}: exit {result.returncode}\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
+    return result.stdout
 
 
 @pytest.fixture(scope="module")
@@ -70,14 +71,16 @@ def template(tmp_path_factory, endpoint) -> Path:
 
 
 def finished_run(root: Path, env: dict) -> None:
-    """A run in S3 as a pod leaves it: trained, its lease taken, its final upload done (COMPLETE)."""
+    """A run in S3 as a pod leaves it: trained, its lease taken, its final upload done (COMPLETE),
+    the trainer's output (its EVENT lines too) in the pod's log."""
     state, out = root.parent / "pod-state", root.parent / "pod-out"
     state.mkdir()
-    (state / "pod.log").write_text("2026-01-01T00:00:00Z script: pod my-run-x starting\n")
     pod = {**env, "STATE_DIR": str(state), "LOG_FILE": str(state / "pod.log"), "HOSTNAME": "my-run-x"}
-    run([sys.executable, "code/train.py", "--config", "config/smoke.yaml", "--data_dir", "data/", "--output_dir",
-         str(out), "--set", "train.max_steps=10", "--set", "checkpoint.interval=5", "--set", "eval.interval=5",
-         "--set", "eval.steps=2", "--set", "log.interval=5", "--set", "checkpoint.async_save=false"], root, pod)
+    trained = run([sys.executable, "code/train.py", "--config", "config/smoke.yaml", "--data_dir", "data/",
+                   "--output_dir", str(out), "--set", "train.max_steps=10", "--set", "checkpoint.interval=5",
+                   "--set", "eval.interval=5", "--set", "eval.steps=2", "--set", "log.interval=5",
+                   "--set", "checkpoint.async_save=false"], root, pod)
+    (state / "pod.log").write_text("2026-01-01T00:00:00Z script: pod my-run-x starting\n" + trained)
     run([sys.executable, "job/lease.py", "acquire", RUN, str(state / "lease.json")], root, pod)
     run([sys.executable, "job/uploader.py", "final", RUN, str(out), "0"], root, pod)
 

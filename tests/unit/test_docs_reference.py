@@ -3,11 +3,12 @@ pod reads or sets, every config key with its default, every exit code, every eve
 layout's names; and the README's layout table names every file of the shipped folders.
 
 What the code reads is found in the code itself, by rules written down here:
-- job/script.sh: its settings are the upper-case names that validate_settings (and what it calls, in
-  call order) reads before assigning them, or assigns from themselves (`X=${X:-default}`), names it
-  hands to a check_* function, and names listed in a `for ... in A B C` loop; anywhere else in the
-  script, a name read and never assigned comes from the environment too. What it exports, or sets
-  in front of a command (`X=value command`), it sets for its processes.
+- job/script.sh: its settings are its `readonly SETTINGS=(...)` array (job/contract.py's SETTINGS,
+  which tests/unit/test_contract.py keeps equal), and the names a controller sets are its
+  `CONTROLLER_SETTINGS`; each must be read by the pod's code, not only listed. Anywhere else in the
+  script, a name read and never assigned (or assigned from itself, `X=${X:-default}`) comes from
+  the environment too, as do names listed in a `for ... in A B C` loop. What it exports, or sets in
+  front of a command (`X=value command`), it sets for its processes.
 - Python (job/, code/, scripts/): os.environ reads and writes by literal name, the settings helpers
   (`*seconds*("NAME", ...)`), and `*_ENV = "NAME"` constants.
 - job.yaml: its container's env.
@@ -42,38 +43,11 @@ def strip_comments(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
 
 
-def shell_functions(text: str) -> dict[str, str]:
-    """name -> body of every function (multi-line ones end with a `}` in column 0)."""
-    found = {}
-    for match in re.finditer(r"^(\w+)\(\) \{[ \t]*$(.*?)^\}$", text, re.M | re.S):
-        found[match.group(1)] = match.group(2)
-    for match in re.finditer(r"^(\w+)\(\) \{ (.*) \}$", text, re.M):
-        found[match.group(1)] = match.group(2)
-    return found
-
-
-def shell_globals(text: str, functions: dict[str, str]) -> set[str]:
-    outside = text
-    for body in functions.values():
-        outside = outside.replace(body, "")
-    return set(re.findall(rf"^(?:readonly )?({NAME})=", outside, re.M))
-
-
-def call_order(functions: dict[str, str], start: str) -> str:
-    """START's body with every function it calls inlined where it is first called."""
-    seen = set()
-
-    def expand(name: str) -> str:
-        seen.add(name)
-        parts = []
-        for line in functions[name].splitlines():
-            parts.append(line)
-            for word in re.findall(r"\b(\w+)\b", line):
-                if word in functions and word not in seen:
-                    parts.append(expand(word))
-        return "\n".join(parts)
-
-    return expand(start)
+def bash_array(name: str) -> list[str]:
+    """The words of job/script.sh's `readonly NAME=(...)`."""
+    found = re.search(rf"^readonly {name}=\((.*?)\)$", SCRIPT.read_text(), flags=re.M | re.S)
+    assert found, f"job/script.sh has no readonly {name}=(...) array"
+    return found.group(1).split()
 
 
 def shell_events(text: str) -> list[tuple[int, str, str]]:
@@ -87,22 +61,11 @@ def shell_events(text: str) -> list[tuple[int, str, str]]:
     start = r"(?:^|[;&|()]|\bthen|\bdo|\belse)[ \t]*(?:(?:local|readonly|export|declare)[ \t]+)?"
     for match in re.finditer(rf"{start}(?:{NAME}=\S*[ \t]+)*({NAME})\+?=(\S*)", text, re.M):
         name, value = match.groups()
-        kind = "self" if value.startswith(("${" + name + ":", "${" + name + "}", "${" + name + "-")) else "assign"
+        kind = "self" if value.lstrip('"').startswith(("${" + name + ":", "${" + name + "}", "${" + name + "-")) else "assign"
         events.append((match.start(1), kind, name))
     for match in re.finditer(rf"(?:mapfile|read)\b[^\n<]*?\b({NAME})\b\s*(?:<|$)", text, re.M):
         events.append((match.start(1), "assign", match.group(1)))
     return sorted(events)
-
-
-def read_first(text: str, exclude: set[str]) -> set[str]:
-    """Names whose first use in TEXT is a read, or that are assigned from themselves."""
-    first: dict[str, str] = {}
-    selfref = set()
-    for _, kind, name in shell_events(text):
-        first.setdefault(name, kind)
-        if kind == "self":
-            selfref.add(name)
-    return {n for n, kind in first.items() if kind in ("read", "self") or n in selfref} - exclude - BASH_OWN
 
 
 def shell_reads(path: Path) -> set[str]:
@@ -116,9 +79,18 @@ def shell_reads(path: Path) -> set[str]:
 
 
 def script_settings() -> set[str]:
-    text = strip_comments(SCRIPT.read_text())
-    functions = shell_functions(text)
-    return read_first(call_order(functions, "validate_settings"), shell_globals(text, functions))
+    return set(bash_array("SETTINGS"))
+
+
+def controller_settings() -> set[str]:
+    return set(bash_array("CONTROLLER_SETTINGS"))
+
+
+def script_reads_outside_its_arrays() -> set[str]:
+    """Names job/script.sh reads (or assigns from themselves) anywhere but in its name arrays."""
+    text = re.sub(r"^readonly (?:CONTROLLER_)?SETTINGS=\(.*?\)$", "", strip_comments(SCRIPT.read_text()),
+                  flags=re.M | re.S)
+    return {name for _, kind, name in shell_events(text) if kind in ("read", "self")}
 
 
 def script_defaults() -> dict[str, str]:
@@ -181,7 +153,8 @@ def python_defaults(*folders: str) -> dict[str, set[str]]:
     for path in python_files(*folders):
         text = path.read_text()
         for name, value in re.findall(rf"\"({NAME})\",\s*\"([^\"]+)\"", text):
-            found.setdefault(name, set()).add(value)
+            if not re.fullmatch(NAME, value):  # a tuple of names (contract.SETTINGS), not a default
+                found.setdefault(name, set()).add(value)
         for name, value in re.findall(rf"get\(\s*\"({NAME})\"(?:,\s*\"\")?\)\s*or\s*\"?([\w.]+)\"?", text):
             found.setdefault(name, set()).add(value)
     return found
@@ -195,7 +168,8 @@ def job_yaml_env() -> dict[str, str]:
 
 def pod_reads() -> dict[str, set[str]]:
     reads = python_reads("job", "code")
-    for name in script_settings() | shell_reads(SCRIPT) | shell_reads(ROOT / "job" / "python_env.sh"):
+    for name in (script_settings() | controller_settings() | shell_reads(SCRIPT)
+                 | shell_reads(ROOT / "job" / "python_env.sh")):
         reads.setdefault(name, set()).add("job/script.sh")
     return reads
 
@@ -264,14 +238,18 @@ def where(name: str, tables_: tuple[str, ...]) -> str | None:
 
 def test_the_scanners_find_what_is_known_to_be_there():
     """The rules above must see the code at all: an empty scan would let every table pass."""
-    assert {"S3_CODE_URI", "LEASE_TTL_SECONDS", "RDZV_ENDPOINT", "CHECKPOINT_HMAC_KEY", "TRAIN_ARGS"} <= script_settings()
+    assert {"S3_CODE_URI", "LEASE_TTL_SECONDS", "RDZV_ENDPOINT", "CHECKPOINT_HMAC_KEY", "TRAIN_ARGS", "EVENTS",
+            "GROUP_SECRET"} <= script_settings()
     assert {"STATE_DIR", "CODE_DIR", "NODE_RANK", "TRAIN_ARGV", "EXIT_BAD_INPUT"}.isdisjoint(script_settings())
+    assert {"JOB_COMPLETION_INDEX", "PET_NODE_RANK", "MASTER_PORT"} <= controller_settings()
+    assert {"S3_OUTPUT_URI", "EVENTS", "GROUP_SECRET", "TRAIN_ARGS"} <= script_reads_outside_its_arrays()
     assert {"HOSTNAME", "PYTHONPATH"} <= shell_reads(SCRIPT)
     assert {"TMPDIR", "TORCHELASTIC_ERROR_FILE", "S3_ENDPOINT_URL"} <= shell_sets(SCRIPT)
     assert {"RANK", "HEALTH_FILE", "UPLOAD_RETRY_SECONDS", "CHECKPOINT_HMAC_KEY"} <= set(python_reads("job", "code"))
     assert {"HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"} <= python_sets("job", "code")
     assert {"TEST_WORKERS", "S3_ENDPOINT"} <= set(laptop_reads())
     assert script_defaults()["LEASE_TTL_SECONDS"] == "30"
+    assert python_defaults("job")["LEASE_WAIT_SECONDS"] == {"3000"}, "a tuple of names is no default"
 
 
 def test_every_name_the_pod_reads_is_in_a_table():
@@ -288,17 +266,33 @@ def test_every_name_a_read_table_lists_is_read_by_the_pod(heading):
     assert not extra, f"docs/reference.md, table {heading!r} lists {', '.join(extra)}, which the pod's code never reads"
 
 
-def test_every_setting_row_is_one_script_sh_checks():
-    """A setting is what script.sh's settings checks read; the platform's names go in their own table."""
-    not_checked = sorted(set(names(SETTINGS)) - script_settings())
-    assert not not_checked, (f"docs/reference.md, table {SETTINGS!r} lists {', '.join(not_checked)}, which "
-                             "job/script.sh's settings checks (validate_settings) never read")
+def test_the_settings_table_is_script_sh_settings():
+    """A setting is a name of script.sh's SETTINGS (contract.SETTINGS): each has a row, and each row is
+    one; the platform's names go in their own table."""
+    missing = sorted(script_settings() - set(names(SETTINGS)))
+    assert not missing, f"job/script.sh's SETTINGS has {', '.join(missing)}; docs/reference.md, table {SETTINGS!r} lacks them"
+    extra = sorted(set(names(SETTINGS)) - script_settings())
+    assert not extra, (f"docs/reference.md, table {SETTINGS!r} lists {', '.join(extra)}, which is not in "
+                       "job/script.sh's SETTINGS (job/contract.py's)")
+
+
+def test_every_setting_is_read_by_the_pods_code():
+    """Listed is not enough: a name in SETTINGS that nothing reads would be a setting that does nothing."""
+    read = script_reads_outside_its_arrays() | set(python_reads("job", "code"))
+    unread = sorted((script_settings() | controller_settings()) - read)
+    assert not unread, f"job/script.sh lists {', '.join(unread)} as settings, but neither it nor job/ or code/ reads them"
+
+
+def test_the_names_a_controller_sets_are_in_the_platform_table():
+    missing = sorted(controller_settings() - set(names(PLATFORM)))
+    assert not missing, (f"job/script.sh's CONTROLLER_SETTINGS has {', '.join(missing)}; docs/reference.md, "
+                         f"table {PLATFORM!r} lacks them")
 
 
 @pytest.mark.parametrize("name,value", sorted(script_defaults().items()))
 def test_a_settings_literal_default_is_the_documented_one(name, value):
     rows = names(SETTINGS)
-    if name not in rows:
+    if name not in script_settings():
         pytest.skip(f"{name} is not a setting (its default is internal)")
     documented = code_spans(rows[name]["default"])
     assert documented and documented[0] == value, (
