@@ -88,8 +88,8 @@ import yaml
 
 import local_pod
 import podlab
+from contract import EXIT_BAD_INPUT  # the exit codes' one definition (podlab puts job/ on the path)
 
-EXIT_BAD_INPUT = 64
 RUNNER = Path(__file__).resolve().parent / "local_pod.py"
 FIRST_IP = "127.0.0.10"  # pod i gets FIRST_IP + i
 REPLACEMENT_DELAY_SECONDS = 1.0

@@ -30,7 +30,7 @@ Engines, and what restarts the group of N pods when one of them goes:
     indexed     N pods, no extra controller: an Indexed Job (completions = parallelism = N) and a
                 headless Service named after the run (pods are <run>-<index>.<run>). A pod that
                 crashes is replaced at its index and counts against backoffLimit; the surviving pods
-                see their peer gone and exit PEER_LOST_EXIT_CODE (138), which the podFailurePolicy
+                see their peer gone and exit EXIT_PEER_LOST (138), which the podFailurePolicy
                 ignores, so the Job recreates them too and the whole group restarts from S3. One
                 crash costs one of backoffLimit (6), a preemption none, exit 64 fails the Job.
     jobset      N pods as one JobSet (jobset.x-k8s.io/v1alpha2, needs JobSet >= v0.10.0 installed):
@@ -74,7 +74,7 @@ The runtime contract: what job/script.sh reads in a pod of N > 1 (its header say
     TRAIN_CONFIG      relative to the code, as today
     TRAIN_SCRIPT      set only with --train-script (default train.py)
     GROUP_SECRET      from the Secret <run>-group (secretKeyRef, required: no pod starts without it)
-    PEER_LOST_EXIT_CODE = 138: a pod whose group lost a member after it had trained a step exits 138
+    EXIT_PEER_LOST = 138: a pod whose group lost a member after it had trained a step exits 138
                       (not counted by the indexed Job, retried by the PyTorchJob). A rendezvous that
                       never forms, or a group that fails before its first step, ends in 75 instead,
                       which is counted: otherwise a group that can never meet would restart forever.
@@ -123,10 +123,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 JOB_YAML = ROOT / "job.yaml"
 JOB_DIR = ROOT / "job"
+sys.path.append(str(JOB_DIR))
+from contract import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_UNAVAILABLE  # noqa: E402 - the exit codes' one definition
 
-EXIT_BAD_INPUT = 64
-EXIT_RETRY = 75
-PEER_LOST_EXIT_CODE = 138
 RDZV_PORT = 29400
 ENGINES = ("job", "indexed", "jobset", "pytorchjob")
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -362,7 +361,7 @@ def render_indexed(job: dict, args: argparse.Namespace) -> list[dict]:
     spec.update(completionMode="Indexed", completions=args.nodes, parallelism=args.nodes)
     # Peers that exit because a member of the group went away are not the failure: the one that
     # went away is counted (a crash) or ignored (a preemption).
-    spec["podFailurePolicy"]["rules"].append(exit_code_rule("Ignore", PEER_LOST_EXIT_CODE, container_name(job)))
+    spec["podFailurePolicy"]["rules"].append(exit_code_rule("Ignore", EXIT_PEER_LOST, container_name(job)))
     endpoint = f"{args.name}-0.{args.name}:{RDZV_PORT}"
     spec["template"] = pod_template(job, args, group_env(args, job, endpoint))
     spec["template"]["spec"]["subdomain"] = args.name
@@ -519,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except RetryLater as error:
         print(f"submit.py: error: {error}", file=sys.stderr)
-        return EXIT_RETRY
+        return EXIT_UNAVAILABLE
     return 0
 
 
