@@ -88,8 +88,8 @@ import yaml
 
 import local_pod
 import podlab
+from contract import EXIT_BAD_INPUT  # the exit codes' one definition (podlab puts job/ on the path)
 
-EXIT_BAD_INPUT = 64
 RUNNER = Path(__file__).resolve().parent / "local_pod.py"
 FIRST_IP = "127.0.0.10"  # pod i gets FIRST_IP + i
 REPLACEMENT_DELAY_SECONDS = 1.0
@@ -659,6 +659,8 @@ class JobSetRun:
     controller when it failed: SIGTERM, their grace period), the first counted against
     maxRestarts: a restart past it fails the JobSet (ReachedMaxRestarts)."""
 
+    kind = "JobSet"
+
     def __init__(self, manifest: Path | str, env: dict[str, str] | None = None, keep_volumes: Path | str | None = None,
                  configmaps: dict[str, Path | str] | None = None, *, folder: Path | str | None = None,
                  first_ip: str | None = None, replacement_delay: float = REPLACEMENT_DELAY_SECONDS,
@@ -740,7 +742,7 @@ class JobSetRun:
         if not self._finished.wait(timeout) or self.condition is None:
             tails = "\n".join(f"--- index {i}, pod {self.attempts(i)}:\n{self.pod(i).output[-2000:]}"
                               for i in range(self.size) if self.attempts(i))
-            raise AssertionError(f"JobSet {self.name} not finished after {timeout}s; failures {self.failures}; "
+            raise AssertionError(f"{self.kind} {self.name} not finished after {timeout}s; failures {self.failures}; "
                                  f"history {self.history}\n{tails}")
         return self.condition
 
@@ -782,7 +784,7 @@ class JobSetRun:
 
     def _end(self, condition: str, reason: str) -> None:
         self.condition = (condition, reason)
-        log(f"JobSet {self.name} {condition}: {reason}")
+        log(f"{self.kind} {self.name} {condition}: {reason}")
         self._finished.set()
 
 
@@ -1049,9 +1051,189 @@ class PyTorchJobRun(PodController):
         return self.clean_pod_policy in ("Running", "All")
 
 
+# ---------------------------------------------------------------- Kubeflow Trainer v2's TrainJob
+#
+# Read from kubeflow/trainer v2.3.0 (commit 658725bdae5c): pkg/runtime/core/trainingruntime.go
+# (newRuntimeInfo: runtimePatches as a strategic merge patch of the runtime's JobSet spec, the
+# trainer's pod count from mlPolicy.numNodes, resourcesPerNode merged into the "node" container),
+# plugins/torch/torch.go (EnforceMLPolicy: trainer.numNodes, trainer.env, then PET_*, port 29500),
+# plugins/jobset/jobset.go and builder.go (SyncParallelCount, Build, Trainer: image, command, args),
+# pkg/webhooks (the runtime's and the TrainJob's checks), pkg/constants/constants.go.
+
+TRAINER_API = "trainer.kubeflow.org/v1alpha1"
+TRAINER_NODE = "node"  # constants.Node: the container the Trainer fills, and the replicatedJob of its PET_MASTER_ADDR
+ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
+TRAINER_PORT = 29500   # constants.ContainerTrainerPort: PET_MASTER_PORT
+COMPLETION_INDEX_PATH = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+RUNTIME_KINDS = ("ClusterTrainingRuntime", "TrainingRuntime")
+# Strategic merge keys of the lists a runtime patch reaches (JobSet's and Kubernetes' patchMergeKey).
+MERGE_KEYS = {"replicatedJobs": "name", "containers": "name", "initContainers": "name", "volumes": "name",
+              "env": "name", "volumeMounts": "mountPath", "ports": "containerPort", "imagePullSecrets": "name",
+              "schedulingGates": "name"}
+
+
+def strategic_merge(base, patch, field: str | None = None):
+    """A strategic merge patch as the Trainer applies runtimePatches: maps merge key by key, the
+    lists of MERGE_KEYS merge item by item on their key (a volume keeps only the patch's keys:
+    retainKeys), any other value is replaced. No $patch directives (check_trainjob refuses them)."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {**copy.deepcopy(base), **{key: strategic_merge(base[key], value, key) if key in base else
+                                         copy.deepcopy(value) for key, value in patch.items()}}
+    key = MERGE_KEYS.get(field or "")
+    if not (key and isinstance(base, list) and isinstance(patch, list)):
+        return copy.deepcopy(patch)
+    merged = copy.deepcopy(base)
+    for item in patch:
+        index = next((i for i, old in enumerate(merged) if old.get(key) == item.get(key)), None)
+        if index is None:
+            merged.append(copy.deepcopy(item))
+        else:
+            merged[index] = strategic_merge(merged[index], item)
+            if field == "volumes":
+                merged[index] = {name: merged[index][name] for name in item}
+    return merged
+
+
+def upsert(items: list[dict], item: dict, key: str = "name") -> None:
+    """apply.upsert: replace the item with the same key in place, else append."""
+    for index, old in enumerate(items):
+        if old.get(key) == item.get(key):
+            items[index] = item
+            return
+    items.append(item)
+
+
+def trainer_jobset(trainjob: dict, runtime: dict) -> dict:
+    """The JobSet the Trainer's controller makes of a TrainJob and its torch runtime: named and
+    namespaced as the TrainJob; the runtime's JobSet spec with the TrainJob's runtimePatches merged
+    in; on the replicatedJob labelled trainjob-ancestor-step=trainer, numNodes pods (TrainJob's,
+    else the runtime's mlPolicy), and in its "node" container the trainer's image, command, args,
+    resourcesPerNode (merged), env (upserted), then PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK
+    (the pod's completion index), PET_MASTER_ADDR (<trainjob>-node-0-0.<trainjob>), PET_MASTER_PORT
+    and its port 29500; the JobSet's labels and annotations those of the runtime's template and the
+    patches'."""
+    name, namespace = trainjob["metadata"]["name"], trainjob["metadata"].get("namespace", "default")
+    trainer = trainjob["spec"].get("trainer") or {}
+    template = copy.deepcopy(runtime["spec"]["template"])
+    spec, meta = template.get("spec") or {}, template.get("metadata") or {}
+    labels, annotations = dict(meta.get("labels") or {}), dict(meta.get("annotations") or {})
+    for patch in trainjob["spec"].get("runtimePatches") or []:
+        patched = (patch.get("trainingRuntimeSpec") or {}).get("template") or {}
+        labels.update((patched.get("metadata") or {}).get("labels") or {})
+        annotations.update((patched.get("metadata") or {}).get("annotations") or {})
+        spec = strategic_merge(spec, patched.get("spec") or {})
+    ml_policy = runtime["spec"].get("mlPolicy") or {}
+    nodes = trainer.get("numNodes", ml_policy.get("numNodes", 1))
+    for replicated in spec["replicatedJobs"]:
+        if ((replicated["template"].get("metadata") or {}).get("labels") or {}).get(ANCESTOR_LABEL) == "trainer":
+            replicated["replicas"] = 1
+            replicated["template"]["spec"].update(parallelism=nodes, completions=nodes)
+            for container in replicated["template"]["spec"]["template"]["spec"]["containers"]:
+                if container["name"] == TRAINER_NODE:
+                    fill_trainer_container(container, trainer, name, nodes)
+    return {"apiVersion": JOBSET_API, "kind": "JobSet",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations},
+            "spec": spec}
+
+
+def fill_trainer_container(container: dict, trainer: dict, trainjob: str, nodes: int) -> None:
+    for field in ("image", "command", "args"):
+        if trainer.get(field) is not None:
+            container[field] = copy.deepcopy(trainer[field])
+    if trainer.get("resourcesPerNode"):
+        container["resources"] = strategic_merge(container.get("resources") or {}, trainer["resourcesPerNode"])
+    env = container.setdefault("env", [])
+    for item in trainer.get("env") or []:
+        upsert(env, copy.deepcopy(item))
+    for item in pet_env(trainer, container, trainjob, nodes):
+        upsert(env, item)
+    upsert(container.setdefault("ports", []), {"containerPort": TRAINER_PORT}, "containerPort")
+
+
+def pet_env(trainer: dict, container: dict, trainjob: str, nodes: int) -> list[dict]:
+    """torch.go's PET_* values: numProcPerNode, else "auto" (with no GPU, the CPU count)."""
+    per_node = trainer.get("numProcPerNode")
+    if per_node is None:
+        resources = container.get("resources") or {}
+        gpus = (resources.get("limits") or {}).get("nvidia.com/gpu") or (resources.get("requests") or {}).get("nvidia.com/gpu")
+        cpus = (resources.get("requests") or {}).get("cpu") or (resources.get("limits") or {}).get("cpu") or 1
+        per_node = "auto" if gpus and int(gpus) > 0 else max(1, int(float(cpus)))
+    return [{"name": "PET_NNODES", "value": str(nodes)}, {"name": "PET_NPROC_PER_NODE", "value": str(per_node)},
+            {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX_PATH}}},
+            {"name": "PET_MASTER_ADDR", "value": f"{trainjob}-{TRAINER_NODE}-0-0.{trainjob}"},
+            {"name": "PET_MASTER_PORT", "value": str(TRAINER_PORT)}]
+
+
+def check_trainjob(trainjob: dict, runtime: dict) -> None:
+    """What the Trainer's webhooks refuse, and what is not modelled here."""
+    if not (trainjob.get("metadata") or {}).get("name"):
+        raise BadInput("the TrainJob has no metadata.name; give it one")
+    if "torch" not in ((runtime.get("spec") or {}).get("mlPolicy") or {}):
+        raise BadInput(f"runtime {runtime['metadata'].get('name')}: only mlPolicy.torch is modelled here")
+    replicated = ((runtime["spec"].get("template") or {}).get("spec") or {}).get("replicatedJobs") or []
+    trainers = [r for r in replicated if ((r.get("template", {}).get("metadata") or {}).get("labels") or {}).get(
+        ANCESTOR_LABEL) == "trainer"]
+    if len(replicated) != 1 or len(trainers) != 1:
+        raise BadInput("local_job.py runs a runtime of one replicatedJob labelled "
+                       f"{ANCESTOR_LABEL}: trainer (initializers are not modelled)")
+    containers = trainers[0]["template"]["spec"]["template"]["spec"].get("containers") or []
+    if not any(c.get("name") == TRAINER_NODE for c in containers):
+        raise BadInput(f"the runtime's trainer job has no container named {TRAINER_NODE!r}; the Trainer's webhook "
+                       "refuses it")
+    reserved = sorted({e["name"] for e in (trainjob["spec"].get("trainer") or {}).get("env") or []
+                       if e["name"].startswith("PET_")})
+    if reserved:
+        raise BadInput(f"trainer.env must not set {', '.join(reserved)}: the Trainer sets them (its webhook refuses)")
+    if "$patch" in yaml.safe_dump(trainjob["spec"].get("runtimePatches") or []):
+        raise BadInput("runtimePatches with $patch directives are not modelled; drop them")
+
+
+class TrainJobRun(JobSetRun):
+    """A Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1, Trainer v2.3) run locally:
+    the JobSet its controller would make of it and its ClusterTrainingRuntime (or TrainingRuntime)
+    in the stream (trainer_jobset()), run by JobSetRun, the pods named <trainjob>-node-0-<i>. Its
+    condition is the JobSet's, renamed as the TrainJob's status does: ("Complete",
+    "AllJobsCompleted") or ("Failed", the JobSet's reason). Everything else is JobSetRun's API
+    (pod(i), delete(i), restarts, counted_restarts, failures, wait(), stop()); `jobset` is the
+    rendered JobSet, `jobset_manifest` its stream."""
+
+    kind = "TrainJob"
+
+    def __init__(self, manifest: Path | str, env: dict[str, str] | None = None, keep_volumes: Path | str | None = None,
+                 configmaps: dict[str, Path | str] | None = None, *, folder: Path | str | None = None, **kwargs):
+        manifest = Path(manifest).resolve()
+        documents = load_documents(manifest)
+        trainjob = one_of_kind(documents, TRAINER_API, "TrainJob", manifest)
+        runtime = runtime_of(trainjob, documents, manifest)
+        check_trainjob(trainjob, runtime)
+        self.trainjob = trainjob
+        folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix=f"local_trainjob-{trainjob['metadata']['name']}-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        self.jobset_manifest = write_stream(folder / f"{trainjob['metadata']['name']}-jobset.yaml",
+                                            [*configmaps_of(documents), trainer_jobset(trainjob, runtime)])
+        super().__init__(self.jobset_manifest, env, keep_volumes, configmaps, folder=folder, **kwargs)
+
+    def _end(self, condition: str, reason: str) -> None:
+        super()._end("Complete" if condition == "Completed" else condition, reason)
+
+
+def runtime_of(trainjob: dict, documents: list[dict], path: Path) -> dict:
+    """The runtime that spec.runtimeRef names (kind ClusterTrainingRuntime by default), from the stream."""
+    ref = (trainjob.get("spec") or {}).get("runtimeRef") or {}
+    kind = ref.get("kind", "ClusterTrainingRuntime")
+    found = [d for d in documents if (d.get("apiVersion"), d.get("kind")) == (TRAINER_API, kind)
+             and (d.get("metadata") or {}).get("name") == ref.get("name")]
+    if kind not in RUNTIME_KINDS or len(found) != 1:
+        raise BadInput(f"{path}: the TrainJob's runtimeRef names {kind} {ref.get('name')!r}, which the stream does "
+                       "not hold once; put the runtime in the same stream (submit.py --engine trainjob does)")
+    return found[0]
+
+
 def controller_for(manifest: Path | str, *args, **kwargs):
-    """IndexedJob, JobSetRun or PyTorchJobRun, by what the manifest's stream holds."""
+    """IndexedJob, JobSetRun, PyTorchJobRun or TrainJobRun, by what the manifest's stream holds."""
     kinds = {(d.get("apiVersion"), d.get("kind")) for d in load_documents(Path(manifest))}
+    if (TRAINER_API, "TrainJob") in kinds:
+        return TrainJobRun(manifest, *args, **kwargs)
     if (JOBSET_API, "JobSet") in kinds:
         return JobSetRun(manifest, *args, **kwargs)
     if (PYTORCHJOB_API, "PyTorchJob") in kinds:

@@ -80,7 +80,9 @@ from pathlib import Path
 
 import yaml
 
-EXIT_BAD_INPUT = 64
+sys.path.append(str(Path(__file__).resolve().parents[1] / "job"))  # after the libraries: job/ names no shadow
+from contract import EXIT_BAD_INPUT  # noqa: E402 - the exit codes' one definition
+
 EXIT_START_ERROR = 128  # what the kubelet reports when a container cannot start
 POD_NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # the Job controller's: no vowels, no look-alikes
 SHM_SIZE = "64m"  # the container runtime's default /dev/shm

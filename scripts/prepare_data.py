@@ -38,7 +38,9 @@ from typing import BinaryIO, Iterable, Iterator
 
 import numpy as np
 
-EXIT_BAD_INPUT = 64  # EX_USAGE from sysexits.h
+sys.path.append(str(Path(__file__).resolve().parents[1] / "job"))  # after the libraries: job/ names no shadow
+from contract import EXIT_BAD_INPUT  # noqa: E402 - the exit codes' one definition
+
 UINT16_VOCAB_LIMIT = 1 << 16
 # Text files are read in blocks of about this many characters (extended to a line end), so one
 # huge file is never held as a whole string, and a batch holds many blocks to encode in parallel.

@@ -1,109 +1,21 @@
 #!/usr/bin/env python3
-"""The manifests of a training run, for one pod or many, derived from job.yaml.
+"""The manifests of a training run, for one pod or a group, derived from job.yaml.
 
 Usage:
-    python scripts/submit.py gpt-run --image REGISTRY/gpt-trainer:TAG \\
-        --code s3://bucket/gpt/code/ --data s3://bucket/gpt/data/ --output s3://bucket/gpt/runs/gpt-run/ \\
-        [--engine job|indexed|jobset|pytorchjob] [--nodes N] [--gpus-per-node G] \\
-        [--train-config config/conf.yaml] [--train-script train.py] [--dry-run | --apply | --check]
+    scripts/submit.py RUN --image IMAGE --code s3://B/code/ --data s3://B/data/ --output s3://B/runs/RUN/
+        [--engine job|indexed|jobset|pytorchjob|trainjob] [--nodes N] [--gpus-per-node G]
+        [--config config/conf.yaml] [--train-script train.py] [--train-args ARGS] [--model s3://B/model/]
+        [--env KEY=VALUE]... [-n NAMESPACE] [-o yaml|json] [--apply | --check]
 
-Prints one YAML stream (--dry-run, the default) or pipes it to `kubectl apply -f -` (--apply): the
-ConfigMap made from job/ by `kubectl create configmap script-configmap --from-file=job/ --dry-run=client`,
-for a group the Secret <run>-group (GROUP_SECRET, a random key made at each render: node 0 answers
-only requests signed with it; --apply keeps the one a cluster already has), a NetworkPolicy <run>
-(the run's pods admit connections from the run's pods only), a headless Service where the engine
-needs one, and the workload. The stream holds the group's key: keep it like the Secret it is. The
-AWS Secret is only referenced (the pod's `envFrom: aws-credentials, optional`, as in job.yaml);
-credentials never pass through here. Values set from flags are literal: a '$' is written '$$'.
---check prints instead what the run's pods would refuse, found from here before the first GPU
-minute (scripts/lib/preflight.py: the settings, the S3 URIs with this machine's credentials, the
-code, the config with TRAIN_ARGS, the data, the output), and exits 0, 64 (a pod would refuse it)
-or 75 (S3 unreachable).
+Prints one stream (YAML, or a v1 List with -o json) or applies it (`kubectl apply -f -`): the
+ConfigMap of job/, named after its content (<run>-script-<hash10>, immutable: every workload mounts
+that one, so a running pod never sees a changed script), the group's Secret, a NetworkPolicy, the
+engine's objects. Every workload is job.yaml's pod template with only what its engine needs changed.
+Values from flags reach the pod literally ('$' is written '$$'). --check says instead what the
+pods would refuse (scripts/lib/preflight.py). Engines, restarts and validation: docs/multi-node.md.
 
-Every workload starts from job.yaml's pod template (read, deep-copied) and changes only what its
-engine needs: names and labels, the image, env values, nvidia.com/gpu, the replica counts and the
-failure handling. `--engine job --nodes 1` renders job.yaml itself, with the flags' values.
-
-Engines, and what restarts the group of N pods when one of them goes:
-
-    job         one pod: a plain batch/v1 Job, exactly job.yaml. N must be 1.
-    indexed     N pods, no extra controller: an Indexed Job (completions = parallelism = N) and a
-                headless Service named after the run (pods are <run>-<index>.<run>). A pod that
-                crashes is replaced at its index and counts against backoffLimit; the surviving pods
-                see their peer gone and exit PEER_LOST_EXIT_CODE (138), which the podFailurePolicy
-                ignores, so the Job recreates them too and the whole group restarts from S3. One
-                crash costs one of backoffLimit (6), a preemption none, exit 64 fails the Job.
-    jobset      N pods as one JobSet (jobset.x-k8s.io/v1alpha2, needs JobSet >= v0.10.0 installed):
-                one replicatedJob "node" whose Indexed child Job has N pods and backoffLimit 0, so
-                any pod failure fails the child Job and the JobSet controller recreates all pods
-                (failurePolicy). Rules, by the child Job's failure message (onJobFailureMessagePatterns,
-                JobSet >= v0.10.0): exit 64 -> FailJobSet; DisruptionTarget ->
-                RestartJobSetAndIgnoreMaxRestarts; anything else -> RestartJobSet, at most maxRestarts
-                (job.yaml's backoffLimit) times. A peer's exit 138 falls under "anything else":
-                it may reach the Job before the crash that caused it, so it is counted like one
-                (one count per group restart either way; a preemption that loses that race counts
-                too). JobSet makes the headless Service <run> itself.
-    pytorchjob  N pods as a Kubeflow PyTorchJob (kubeflow.org/v1, training-operator v1.x): Master (1)
-                and Worker (N-1), restartPolicy ExitCode. The operator finds the container by the
-                name "pytorch" (renamed from job.yaml's "trainer") and injects MASTER_ADDR,
-                MASTER_PORT (its port "pytorchjob-port", 23456), WORLD_SIZE (pods x nprocPerNode),
-                RANK, PET_NODE_RANK, PET_NNODES. ExitCode recreates a pod that exits 128 or more
-                (the operator's IsRetryableExitCode: 130, 137, 143 for signals, 138, but also 134 or
-                139), alone and without limit; every other code, 64 and 75 included, fails the
-                PyTorchJob at once, and cleanPodPolicy Running then deletes the pods still running
-                (the default, None, would leave a worker waiting RDZV_TIMEOUT_SECONDS for a master
-                that never comes, holding its GPUs). Not expressible there: a counted retry of a crash or of 75 (runPolicy's
-                backoffLimit counts only OnFailure and Always restarts, so it is left out, and
-                OnFailure would retry exit 64 too): a crash or an S3 outage past S3_RETRY_SECONDS
-                ends the run (resubmit it; it resumes from S3) unless the runtime exits 138 for
-                them. Nor "the others exit too": the operator recreates only the pod that
-                failed; the peers' own exit 138 restarts them.
-
-The runtime contract: what job/script.sh reads in a pod of N > 1 (its header says the rest):
-
-    NNODES            number of pods in the group (unset: 1, a single pod as today)
-    node rank         JOB_COMPLETION_INDEX (indexed, jobset: set by the Job controller), else
-                      PET_NODE_RANK, else RANK (pytorchjob: set by the training operator)
-    RDZV_ENDPOINT     host:port of the c10d rendezvous, rank 0's pod (port + 1: node 0 tells the
-                      others which checkpoint the group resumes from):
-                        indexed     <run>-0.<run>:29400
-                        jobset      <run>-node-0-0.<run>:29400 (JobSet's pod hostname
-                                    <jobset>-<replicatedJob>-<jobIndex>-<podIndex>, subdomain <jobset>)
-                        pytorchjob  unset: use MASTER_ADDR:MASTER_PORT from the operator
-    NPROC_PER_NODE    processes per pod, = --gpus-per-node (the same in every pod)
-    TRAIN_CONFIG      relative to the code, as today
-    TRAIN_SCRIPT      set only with --train-script (default train.py)
-    GROUP_SECRET      from the Secret <run>-group (secretKeyRef, required: no pod starts without it)
-    PEER_LOST_EXIT_CODE = 138: a pod whose group lost a member after it had trained a step exits 138
-                      (not counted by the indexed Job, retried by the PyTorchJob). A rendezvous that
-                      never forms, or a group that fails before its first step, ends in 75 instead,
-                      which is counted: otherwise a group that can never meet would restart forever.
-
-What is validated (tests/test_submit.py), and what is not:
-
-    Job, Service, ConfigMap,  kubernetes-validate --strict, every bundled Kubernetes version from 1.29
-    Secret, NetworkPolicy     (official OpenAPI schemas; unknown fields are errors). The JobSet's child
-                              Job and the PyTorchJob's pod templates are also checked that way, wrapped
-                              as a batch/v1 Job and a v1 PodTemplate.
-    JobSet                    jsonschema against the CRD's openAPIV3Schema of JobSet v0.10.0 and
-                              v0.12.0 (tests/schemas/, commits noted there), made strict: every object
-                              schema with properties gets additionalProperties: false. A cluster would
-                              not reject an unknown field (a structural schema prunes it silently,
-                              the field would just not take effect); here it is an error. Not checked:
-                              the CRD's CEL rules (x-kubernetes-validations) and the JobSet webhook's
-                              own checks, nor metadata (the CRD types it as a bare object).
-    PyTorchJob                the Kubeflow training SDK (kubeflow-training 1.9.4): the dict is
-                              deserialized into KubeflowOrgV1PyTorchJob (kubernetes client models
-                              inside, with their required-field checks) and serialized back; whatever
-                              does not come back whole (an unknown, misplaced or mistyped field) is
-                              reported by path. And the training operator's CRD schema (v1.9.4,
-                              tests/schemas/), made strict as the JobSet's. Neither knows the replica
-                              names (Master, Worker) or restartPolicy's values: the unit tests pin
-                              those. Not checked: the operator's webhook and its defaulting.
-    Not checked by anything here: that the controllers behave as described above (no cluster here).
-
-Exit codes: 0; 64 bad input (a flag, job.yaml unreadable, no kubectl, the cluster lacks the CRD);
-75 `kubectl apply` failed otherwise (cluster unreachable: a retry may pass). Errors are one line.
+Exit codes: 0; 64 bad input (a flag, job.yaml, no kubectl, the cluster lacks the engine's CRD, the
+run exists with another script); 75 `kubectl apply` failed otherwise (a retry may pass).
 """
 
 from __future__ import annotations
@@ -111,6 +23,8 @@ from __future__ import annotations
 import argparse
 import base64
 import copy
+import hashlib
+import json
 import re
 import secrets
 import shutil
@@ -123,23 +37,40 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 JOB_YAML = ROOT / "job.yaml"
 JOB_DIR = ROOT / "job"
+sys.path.append(str(JOB_DIR))
+from contract import CONTROLLER_SETTINGS, EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_UNAVAILABLE, near_misses  # noqa: E402
+from train_args import split as split_train_args  # noqa: E402 - TRAIN_ARGS split as the pod splits it
 
-EXIT_BAD_INPUT = 64
-EXIT_RETRY = 75
-PEER_LOST_EXIT_CODE = 138
 RDZV_PORT = 29400
-ENGINES = ("job", "indexed", "jobset", "pytorchjob")
+ENGINES = ("job", "indexed", "jobset", "pytorchjob", "trainjob")
+FORMATS = ("yaml", "json")
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 JOBSET_REPLICATED_JOB = "node"
 PYTORCHJOB_API = "kubeflow.org/v1"
 PYTORCHJOB_CONTAINER = "pytorch"          # the operator injects its env only into this container
 PYTORCHJOB_PORT_NAME = "pytorchjob-port"  # MASTER_PORT comes from this port of the Master
 PYTORCHJOB_PORT = 23456
-CONFIGMAP = "script-configmap"
+TRAINER_API = "trainer.kubeflow.org/v1alpha1"  # Kubeflow Trainer v2 (TrainJob, ClusterTrainingRuntime)
+TRAINER_CONTAINER = "node"     # the Trainer sets image and env, and its webhook wants the container, by this name
+TRAINER_ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"  # "trainer": the replicatedJob TrainJob.trainer sets
+RUNTIME_NAME = "resumable-torch"  # + a hash of its spec: one ClusterTrainingRuntime per job.yaml, never changed
+PATCH_MANAGER = "submit.py/run"   # runtimePatches[].manager: a domain-prefixed path, as the Trainer's webhook asks
+CONFIGMAP = "script-configmap"    # job.yaml's name for the ConfigMap of job/
+SCRIPT_COMPONENT = "script"       # app.kubernetes.io/component of the content-named ConfigMaps
+HASH_CHARS = 10
+CLUSTER_SCOPED = ("ClusterTrainingRuntime",)
 GROUP_SECRET_KEY = "GROUP_SECRET"  # job/group.py: signs every question to node 0 and its answer
 # <run>-node-0-0 (JobSet) and <run>-<index> (Indexed Job) are pod hostnames: at most 63 characters.
 MAX_NAME = 40
 NAME_RULE = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+NAMESPACE_RULE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+ENV_NAME_RULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what the pod's bash can read
+# The pod's settings a flag sets (the flag's checks apply to them), and those an engine sets.
+FLAG_SETTINGS = {"S3_CODE_URI": "--code", "S3_DATA_URI": "--data", "S3_OUTPUT_URI": "--output",
+                 "S3_MODEL_URI": "--model", "TRAIN_CONFIG": "--config", "TRAIN_SCRIPT": "--train-script",
+                 "TRAIN_ARGS": "--train-args", "NNODES": "--nodes", "NPROC_PER_NODE": "--gpus-per-node"}
+ENGINE_SETTINGS = ("RDZV_ENDPOINT", GROUP_SECRET_KEY, *CONTROLLER_SETTINGS)
+RUN_SETTINGS = ("S3_CODE_URI", "S3_DATA_URI", "S3_OUTPUT_URI")  # job.yaml's placeholders: every run sets its own
 S3_URI_RULE = re.compile(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?")  # as job/script.sh
 
 
@@ -159,24 +90,36 @@ class Parser(argparse.ArgumentParser):
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = Parser(prog="submit.py",
                     description="Render (or apply) a training run's manifests, derived from job.yaml.")
-    parser.add_argument("name", help="the run: names the Job/JobSet/PyTorchJob, its Service and its pods")
+    parser.add_argument("name", help="the run: names its workload, Service, Secret, ConfigMap and pods")
     parser.add_argument("--image", required=True, help="the trainer image")
     parser.add_argument("--code", required=True, help="S3_CODE_URI, s3://bucket/prefix/")
     parser.add_argument("--data", required=True, help="S3_DATA_URI, s3://bucket/prefix/")
     parser.add_argument("--output", required=True, help="S3_OUTPUT_URI, s3://bucket/prefix/ of this run")
+    parser.add_argument("--model", default=None, help="S3_MODEL_URI, s3://bucket/prefix/ of a model snapshot")
     parser.add_argument("--engine", choices=ENGINES, default="job", help="what runs the pods (default: job)")
     parser.add_argument("--nodes", type=int, default=1, help="pods in the group (default 1)")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="nvidia.com/gpu per pod (default: job.yaml's)")
-    parser.add_argument("--train-config", default=None, help="TRAIN_CONFIG, relative to the code (default: job.yaml's)")
+    parser.add_argument("--config", "--train-config", dest="train_config", default=None,
+                        help="TRAIN_CONFIG, relative to the code (default: job.yaml's)")
     parser.add_argument("--train-script", default=None, help="TRAIN_SCRIPT, relative to the code")
+    parser.add_argument("--train-args", default=None, help="TRAIN_ARGS: the trainer's extra arguments, as one string")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="another setting of the pod's env (repeatable; the value is literal)")
+    parser.add_argument("-n", "--namespace", default=None, help="the namespace (default: kubectl's context)")
+    parser.add_argument("-o", dest="format", choices=FORMATS, default=None,
+                        help="print the stream as YAML (default) or as a JSON v1 List")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--dry-run", dest="apply", action="store_false", help="print the YAML stream (default)")
+    mode.add_argument("--dry-run", dest="apply", action="store_false", help="print the stream (default)")
     mode.add_argument("--apply", dest="apply", action="store_true", help="kubectl apply -f - the stream")
     mode.add_argument("--check", action="store_true",
                       help="check what the pods would refuse (settings, S3, code, config, data), apply nothing")
     parser.set_defaults(apply=False)  # else --dry-run's store_false would make applying the default
+    # The ConfigMap the pods mount: job.yaml's name until main() has rendered the content-named one.
+    parser.set_defaults(script=CONFIGMAP)
     args = parser.parse_args(argv)
     check_args(args)
+    args.env = env_flags(args.env)
+    args.format = args.format or "yaml"
     return args
 
 
@@ -186,24 +129,64 @@ def check_args(args: argparse.Namespace) -> None:
                        f"end with a letter or digit, at most {MAX_NAME} characters; e.g. gpt-run-1")
     if not args.image.strip() or any(c.isspace() for c in args.image):
         raise BadInput(f"--image {args.image!r} is not an image reference; e.g. --image registry/gpt-trainer:1.0")
-    uris = {"--code": args.code, "--data": args.data, "--output": args.output}
-    for flag, uri in uris.items():
-        if not S3_URI_RULE.fullmatch(uri):
-            raise BadInput(f"{flag} {uri!r} is not an s3://bucket/prefix/ URI; e.g. {flag} s3://my-bucket/gpt/")
-    for flag in ("--code", "--data"):
-        if overlap(args.output, uris[flag]):
-            raise BadInput(f"--output {args.output} and {flag} {uris[flag]} overlap; give --output its own prefix")
+    check_uris(args)
     if args.nodes < 1:
         raise BadInput(f"--nodes {args.nodes} must be at least 1")
     if args.engine == "job" and args.nodes != 1:
         raise BadInput(f"--engine job runs one pod, not --nodes {args.nodes}; "
-                       "use --engine indexed, jobset or pytorchjob")
+                       "use --engine indexed, jobset, trainjob or pytorchjob")
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise BadInput(f"--gpus-per-node {args.gpus_per_node} must be at least 1")
-    for flag, path in (("--train-config", args.train_config), ("--train-script", args.train_script)):
+    for flag, path in (("--config", args.train_config), ("--train-script", args.train_script)):
         if path is not None and (not path or path.startswith("/") or ".." in Path(path).parts):
             raise BadInput(f"{flag} {path!r} must be a path relative to the code, e.g. {flag} "
-                           f"{'config/conf.yaml' if flag == '--train-config' else 'train.py'}")
+                           f"{'config/conf.yaml' if flag == '--config' else 'train.py'}")
+    if args.train_args is not None:
+        try:
+            split_train_args(args.train_args)
+        except ValueError as error:
+            problem = str(error).split(" (", 1)[0].replace("TRAIN_ARGS", "--train-args")
+            raise BadInput(f"{problem}: the pod would refuse it; quote a value with spaces whole, "
+                           "e.g. --train-args \"--set 'run.name=a b'\"") from None
+    if args.namespace is not None and not NAMESPACE_RULE.fullmatch(args.namespace):
+        raise BadInput(f"--namespace {args.namespace!r} is not a namespace name (lowercase letters, digits "
+                       "and '-', at most 63 characters)")
+    if args.format is not None and (args.apply or args.check):
+        raise BadInput("-o formats the printed stream; --apply and --check print none: drop one of them "
+                       "(or pipe: submit.py ... -o json | kubectl apply -f -)")
+
+
+def check_uris(args: argparse.Namespace) -> None:
+    uris = {"--code": args.code, "--data": args.data, "--output": args.output}
+    if args.model is not None:
+        uris["--model"] = args.model
+    for flag, uri in uris.items():
+        if not S3_URI_RULE.fullmatch(uri):
+            raise BadInput(f"{flag} {uri!r} is not an s3://bucket/prefix/ URI; e.g. {flag} s3://my-bucket/gpt/")
+    for flag in [flag for flag in uris if flag != "--output"]:
+        if overlap(args.output, uris[flag]):
+            raise BadInput(f"--output {args.output} and {flag} {uris[flag]} overlap; give --output its own prefix")
+
+
+def env_flags(texts: list[str]) -> dict[str, str]:
+    """--env KEY=VALUE, in order: a setting a flag or the engine owns is refused (its checks, or the
+    group, would be bypassed); a name a typo away from a setting gets a warning, as in the pod."""
+    env: dict[str, str] = {}
+    for text in texts:
+        name, sep, value = text.partition("=")
+        if not sep or not ENV_NAME_RULE.fullmatch(name):
+            raise BadInput(f"--env {text!r} is not KEY=VALUE with KEY a variable name; e.g. --env SYNC_INTERVAL_SECONDS=30")
+        if name in FLAG_SETTINGS:
+            raise BadInput(f"--env {name}: set it with {FLAG_SETTINGS[name]}")
+        if name in ENGINE_SETTINGS or name.startswith("PET_"):
+            raise BadInput(f"--env {name}: the engine sets it for every pod of the group; leave it out")
+        if name in env:
+            raise BadInput(f"--env {name} is given twice; give it once")
+        env[name] = value
+    for name, setting in near_misses(env):
+        print(f"submit.py: warning: --env {name} is not a setting of the pod, so it is ignored; "
+              f"did you mean {setting}?", file=sys.stderr)
+    return env
 
 
 def overlap(a: str, b: str) -> bool:
@@ -261,24 +244,34 @@ def named(metadata: dict, name: str) -> dict:
     return metadata
 
 
+def run_env(args: argparse.Namespace) -> dict[str, str]:
+    """The pod's settings this run's flags give, in job.yaml's order, then --env's."""
+    env = {"S3_CODE_URI": args.code, "S3_DATA_URI": args.data, "S3_OUTPUT_URI": args.output}
+    optional = {"S3_MODEL_URI": args.model, "TRAIN_CONFIG": args.train_config, "TRAIN_SCRIPT": args.train_script,
+                "TRAIN_ARGS": args.train_args}
+    env.update((name, value) for name, value in optional.items() if value is not None)
+    return {**env, **args.env}
+
+
 def pod_template(job: dict, args: argparse.Namespace, extra_env: dict[str, str]) -> dict:
-    """job.yaml's pod template with this run's name, image, S3 URIs, GPUs and env."""
+    """job.yaml's pod template with this run's name, image, settings, GPUs and ConfigMap."""
     template = copy.deepcopy(job["spec"]["template"])
     template["metadata"] = named(template.get("metadata", {}), args.name)
     container = template["spec"]["containers"][0]
     container["image"] = args.image
-    set_env(container, "S3_CODE_URI", args.code)
-    set_env(container, "S3_DATA_URI", args.data)
-    set_env(container, "S3_OUTPUT_URI", args.output)
-    if args.train_config is not None:
-        set_env(container, "TRAIN_CONFIG", args.train_config)
-    if args.train_script is not None:
-        set_env(container, "TRAIN_SCRIPT", args.train_script)
+    for name, value in {**run_env(args), **extra_env}.items():
+        set_env(container, name, value)
     if args.gpus_per_node is not None:
         set_gpus(container, args.gpus_per_node)
-    for name, value in extra_env.items():
-        set_env(container, name, value)
+    use_script(template["spec"], args.script)
     return template
+
+
+def use_script(pod_spec: dict, configmap: str) -> None:
+    """Mount the ConfigMap `configmap` where job.yaml mounts its own (CONFIGMAP)."""
+    for volume in pod_spec.get("volumes") or []:
+        if (volume.get("configMap") or {}).get("name") == CONFIGMAP:
+            volume["configMap"]["name"] = configmap
 
 
 def group_env(args: argparse.Namespace, job: dict, rdzv_endpoint: str | None) -> dict[str, str]:
@@ -362,7 +355,7 @@ def render_indexed(job: dict, args: argparse.Namespace) -> list[dict]:
     spec.update(completionMode="Indexed", completions=args.nodes, parallelism=args.nodes)
     # Peers that exit because a member of the group went away are not the failure: the one that
     # went away is counted (a crash) or ignored (a preemption).
-    spec["podFailurePolicy"]["rules"].append(exit_code_rule("Ignore", PEER_LOST_EXIT_CODE, container_name(job)))
+    spec["podFailurePolicy"]["rules"].append(exit_code_rule("Ignore", EXIT_PEER_LOST, container_name(job)))
     endpoint = f"{args.name}-0.{args.name}:{RDZV_PORT}"
     spec["template"] = pod_template(job, args, group_env(args, job, endpoint))
     spec["template"]["spec"]["subdomain"] = args.name
@@ -372,42 +365,51 @@ def render_indexed(job: dict, args: argparse.Namespace) -> list[dict]:
 
 
 def render_jobset(job: dict, args: argparse.Namespace) -> list[dict]:
-    container = container_name(job)
+    endpoint = f"{args.name}-{JOBSET_REPLICATED_JOB}-0-0.{args.name}:{RDZV_PORT}"
+    template = pod_template(job, args, group_env(args, job, endpoint))
+    use_group_secret(template, args.name)
+    jobset = {"apiVersion": JOBSET_API, "kind": "JobSet", "metadata": named(job["metadata"], args.name),
+              "spec": jobset_spec(job, template, {"app.kubernetes.io/name": args.name}, args.nodes)}
+    return [group_secret(args.name), network_policy(args.name), jobset]
+
+
+def jobset_spec(job: dict, template: dict, labels: dict[str, str], nodes: int | None) -> dict:
+    """One replicatedJob "node" whose Indexed child Job runs `template` on `nodes` pods (None: the
+    Trainer sets them) and fails at its first failed pod; the JobSet's failurePolicy decides by the
+    child Job's failure message (JobSet >= v0.10.0): exit 64 fails the JobSet, a disruption restarts
+    it uncounted, anything else restarts it, at most job.yaml's backoffLimit times."""
+    container = template["spec"]["containers"][0]["name"]
     child = copy.deepcopy(job["spec"])
     child.pop("ttlSecondsAfterFinished", None)  # on the JobSet: a child Job deleted early would be recreated
-    child.update(completionMode="Indexed", completions=args.nodes, parallelism=args.nodes, backoffLimit=0)
-    # Every failure fails the child Job at once; the JobSet's rules below decide by its message.
+    child.update(completionMode="Indexed", backoffLimit=0)
+    for field in ("completions", "parallelism"):
+        child.pop(field, None)
+        if nodes is not None:
+            child[field] = nodes
     child["podFailurePolicy"] = {"rules": [
         {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
         exit_code_rule("FailJob", EXIT_BAD_INPUT, container),
     ]}
-    endpoint = f"{args.name}-{JOBSET_REPLICATED_JOB}-0-0.{args.name}:{RDZV_PORT}"
-    child["template"] = pod_template(job, args, group_env(args, job, endpoint))
-    use_group_secret(child["template"], args.name)
-    jobset = {
-        "apiVersion": JOBSET_API, "kind": "JobSet",
-        "metadata": named(job["metadata"], args.name),
-        "spec": {
-            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-            "failurePolicy": {
-                "maxRestarts": job["spec"]["backoffLimit"],
-                "rules": [
-                    # Kubernetes' Job controller words these messages (pkg/controller/job/pod_failure_policy.go).
-                    {"name": "badInput", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
-                     "onJobFailureMessagePatterns": [f"failed with exit code {EXIT_BAD_INPUT} matching FailJob rule"]},
-                    {"name": "disrupted", "action": "RestartJobSetAndIgnoreMaxRestarts",
-                     "onJobFailureReasons": ["PodFailurePolicy"],
-                     "onJobFailureMessagePatterns": ["has condition DisruptionTarget matching FailJob rule"]},
-                ],
-            },
-            "replicatedJobs": [{"name": JOBSET_REPLICATED_JOB, "replicas": 1,
-                                "template": {"metadata": {"labels": {"app.kubernetes.io/name": args.name}},
-                                             "spec": child}}],
+    child["template"] = template
+    spec = {
+        "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+        "failurePolicy": {
+            "maxRestarts": job["spec"]["backoffLimit"],
+            "rules": [
+                # Kubernetes' Job controller words these messages (pkg/controller/job/pod_failure_policy.go).
+                {"name": "badInput", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"],
+                 "onJobFailureMessagePatterns": [f"failed with exit code {EXIT_BAD_INPUT} matching FailJob rule"]},
+                {"name": "disrupted", "action": "RestartJobSetAndIgnoreMaxRestarts",
+                 "onJobFailureReasons": ["PodFailurePolicy"],
+                 "onJobFailureMessagePatterns": ["has condition DisruptionTarget matching FailJob rule"]},
+            ],
         },
+        "replicatedJobs": [{"name": JOBSET_REPLICATED_JOB, "replicas": 1,
+                            "template": {"metadata": {"labels": labels}, "spec": child}}],
     }
     if "ttlSecondsAfterFinished" in job["spec"]:
-        jobset["spec"]["ttlSecondsAfterFinished"] = job["spec"]["ttlSecondsAfterFinished"]
-    return [group_secret(args.name), network_policy(args.name), jobset]
+        spec["ttlSecondsAfterFinished"] = job["spec"]["ttlSecondsAfterFinished"]
+    return spec
 
 
 def render_pytorchjob(job: dict, args: argparse.Namespace) -> list[dict]:
@@ -432,12 +434,80 @@ def render_pytorchjob(job: dict, args: argparse.Namespace) -> list[dict]:
                       "pytorchReplicaSpecs": replicas}}]
 
 
-RENDERERS = {"job": render_job, "indexed": render_indexed, "jobset": render_jobset, "pytorchjob": render_pytorchjob}
+def render_trainjob(job: dict, args: argparse.Namespace) -> list[dict]:
+    runtime = training_runtime(job)
+    return [group_secret(args.name), network_policy(args.name), runtime, trainjob(job, args, runtime)]
+
+
+def training_runtime(job: dict) -> dict:
+    """A ClusterTrainingRuntime made of job.yaml's pod template (ConfigMap, probes, grace period,
+    security) and the JobSet failure rules of --engine jobset, without anything of one run: the
+    TrainJob gives image, settings, GPUs, nodes, the run's label and its ConfigMap. Named after its
+    spec, so applying it never changes one that TrainJobs already use."""
+    template = copy.deepcopy(job["spec"]["template"])
+    template.pop("metadata", None)  # the run's label comes with each TrainJob
+    container = template["spec"]["containers"][0]
+    container["name"] = TRAINER_CONTAINER
+    container["env"] = [e for e in container.get("env", []) if e["name"] not in RUN_SETTINGS]
+    spec = {"mlPolicy": {"numNodes": 1, "torch": {}},
+            "template": {"spec": jobset_spec(job, template, {TRAINER_ANCESTOR: "trainer"}, None)}}
+    return {"apiVersion": TRAINER_API, "kind": "ClusterTrainingRuntime",
+            "metadata": {"name": f"{RUNTIME_NAME}-{content_hash(spec)}",
+                         "labels": {"app.kubernetes.io/name": RUNTIME_NAME, "trainer.kubeflow.org/framework": "torch"}},
+            "spec": spec}
+
+
+def trainjob(job: dict, args: argparse.Namespace, runtime: dict) -> dict:
+    """The run as a TrainJob (Trainer v2.3): trainer sets the "node" container's image, env, GPUs and
+    the pods' count (the Trainer adds PET_* and its port); runtimePatches label the pods with the
+    run (the NetworkPolicy's selector) and mount the run's ConfigMap."""
+    gpus = args.gpus_per_node or gpus_of(job["spec"]["template"]["spec"]["containers"][0])
+    endpoint = f"{args.name}-{JOBSET_REPLICATED_JOB}-0-0.{args.name}:{RDZV_PORT}"
+    settings = {**run_env(args), **group_env(args, job, endpoint)}
+    env = [{"name": name, "value": literal_env_value(value)} for name, value in settings.items()]
+    env.append({"name": GROUP_SECRET_KEY, "valueFrom": {"secretKeyRef": {"name": group_secret_name(args.name),
+                                                                          "key": GROUP_SECRET_KEY}}})
+    [volume] = [v for v in job["spec"]["template"]["spec"]["volumes"] if (v.get("configMap") or {}).get("name") == CONFIGMAP]
+    volume = {**copy.deepcopy(volume), "configMap": {**volume["configMap"], "name": args.script}}
+    def labels():  # a dict each time: one object twice would come out as a YAML anchor and alias
+        return {"app.kubernetes.io/name": args.name}
+
+    pods = {"metadata": {"labels": labels()}, "spec": {"volumes": [volume]}}
+    patch = {"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {
+        "metadata": {"labels": labels()},
+        "spec": {"replicatedJobs": [{"name": JOBSET_REPLICATED_JOB, "template": {"spec": {"template": pods}}}]}}}}
+    resources = {section: {"nvidia.com/gpu": str(gpus)} for section in ("requests", "limits")}
+    return {"apiVersion": TRAINER_API, "kind": "TrainJob", "metadata": named(job["metadata"], args.name),
+            "spec": {"runtimeRef": {"apiGroup": TRAINER_API.split("/")[0], "kind": "ClusterTrainingRuntime",
+                                    "name": runtime["metadata"]["name"]},
+                     "trainer": {"image": args.image, "numNodes": args.nodes, "numProcPerNode": gpus,
+                                 "resourcesPerNode": resources, "env": env},
+                     "runtimePatches": [patch]}}
+
+
+def content_hash(value) -> str:
+    """The first HASH_CHARS hex digits of the SHA-256 of `value` as canonical JSON."""
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:HASH_CHARS]
+
+
+RENDERERS = {"job": render_job, "indexed": render_indexed, "jobset": render_jobset, "pytorchjob": render_pytorchjob,
+             "trainjob": render_trainjob}
 
 
 def render(args: argparse.Namespace, job: dict | None = None) -> list[dict]:
-    """The workload (and its Service, its group's Secret, its NetworkPolicy), without the ConfigMap."""
-    return RENDERERS[args.engine](load_job() if job is None else job, args)
+    """The workload (and its Service, its group's Secret, its NetworkPolicy, its runtime), without
+    the ConfigMap: its pods mount the one named args.script."""
+    documents = RENDERERS[args.engine](load_job() if job is None else job, args)
+    return [in_namespace(document, args.namespace) for document in documents]
+
+
+def in_namespace(document: dict, namespace: str | None) -> dict:
+    """The document in `namespace` (unless cluster-scoped); None leaves it to kubectl's context."""
+    if namespace is None or document["kind"] in CLUSTER_SCOPED:
+        return document
+    return {**document, "metadata": {"name": document["metadata"]["name"], "namespace": namespace,
+                                     **{k: v for k, v in document["metadata"].items() if k != "name"}}}
 
 
 # -- kubectl --------------------------------------------------------------------------------------
@@ -449,30 +519,78 @@ def kubectl() -> str:
     return found
 
 
-def render_configmap(job_dir: Path = JOB_DIR) -> dict:
+def render_configmap(run: str, job_dir: Path = JOB_DIR) -> dict:
+    """kubectl's own ConfigMap of job/, named <run>-script-<hash of its data> and immutable (as
+    kustomize's configMapGenerator names one): a new job/ is a new ConfigMap, so no pod ever sees
+    its script change under it, and no other run's pods mount it."""
     result = subprocess.run([kubectl(), "create", "configmap", CONFIGMAP, f"--from-file={job_dir}",
                              "--dry-run=client", "-o", "yaml"], capture_output=True, text=True,
                             stdin=subprocess.DEVNULL)  # a kubeconfig without credentials would prompt
     if result.returncode != 0:
         raise BadInput(f"kubectl could not make the ConfigMap from {job_dir}: {last_line(result.stderr)}")
     configmap = yaml.safe_load(result.stdout)
-    configmap["metadata"].pop("creationTimestamp", None)
+    content = {key: configmap[key] for key in ("data", "binaryData") if key in configmap}
+    configmap["metadata"] = {"name": f"{run}-script-{content_hash(content)}",
+                             "labels": {"app.kubernetes.io/name": run, "app.kubernetes.io/component": SCRIPT_COMPONENT}}
+    configmap["immutable"] = True
     return configmap
 
 
-def keep_existing_group_secret(documents: list[dict]) -> list[dict]:
+def keep_existing_group_secret(documents: list[dict], namespace: str | None = None) -> list[dict]:
     """The stream without the group's Secret when the cluster has it already: applied again while
     the run's pods run, a new key would keep a replaced pod out of its group (it would ask node 0
     with another key) until the whole group restarted."""
     secret = next((d for d in documents if d["kind"] == "Secret"), None)
     if secret is None:
         return documents
-    found = subprocess.run([kubectl(), "get", "secret", secret["metadata"]["name"], "-o", "name", "--request-timeout=20s"],
-                           capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    found = subprocess.run([kubectl(), "get", "secret", secret["metadata"]["name"], "-o", "name", "--request-timeout=20s",
+                            *namespace_flag(namespace)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if found.returncode != 0:  # not there, or not readable: this render's key goes up
         return documents
     print(f"submit.py: keeping the cluster's Secret {secret['metadata']['name']} (the group's key)", file=sys.stderr)
     return [d for d in documents if d is not secret]
+
+
+def namespace_flag(namespace: str | None) -> list[str]:
+    return ["--namespace", namespace] if namespace else []
+
+
+def get(resource: str, name: str, namespace: str | None) -> dict | None:
+    """The cluster's object, or None when it is not there or cannot be read (the apply then says why)."""
+    found = subprocess.run([kubectl(), "get", resource, name, "-o", "json", "--request-timeout=20s",
+                            *namespace_flag(namespace)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    try:
+        return json.loads(found.stdout) if found.returncode == 0 else None
+    except ValueError:
+        return None
+
+
+def refuse_another_script(documents: list[dict], run: str, namespace: str | None) -> None:
+    """A workload of this name that the cluster runs with another ConfigMap (job/ changed since)
+    keeps its pods' script: applying over it would fail (Job, JobSet, TrainJob: immutable) or swap
+    the script under a PyTorchJob's next pods. Say what to do instead."""
+    workload = documents[-1]
+    kind, group = workload["kind"], workload["apiVersion"].rpartition("/")[0]
+    resource = f"{kind.lower()}.{group}" if group else kind.lower()
+    live = get(resource, run, namespace)
+    mounted = set(script_names(live, run)) if live is not None else set()
+    ours = set(script_names(workload, run))
+    if mounted and mounted != ours:
+        in_ns = f" -n {namespace}" if namespace else ""
+        raise BadInput(f"{kind} {run} already runs with the ConfigMap {', '.join(sorted(mounted))}, and job/ has "
+                       f"changed since ({', '.join(sorted(ours))}): its pods keep their script. Delete it first "
+                       f"(kubectl delete {resource} {run}{in_ns}; the run resumes from S3), or submit a new run name")
+
+
+def script_names(node, run: str) -> list[str]:
+    """The names of the script ConfigMaps that a manifest's configMap volumes mount."""
+    if isinstance(node, list):
+        return [name for item in node for name in script_names(item, run)]
+    if not isinstance(node, dict):
+        return []
+    name = (node.get("configMap") or {}).get("name") if isinstance(node.get("configMap"), dict) else None
+    own = [name] if name == CONFIGMAP or (name or "").startswith(f"{run}-script-") else []
+    return own + [found for value in node.values() for found in script_names(value, run)]
 
 
 def apply(stream: str) -> None:
@@ -484,6 +602,9 @@ def apply(stream: str) -> None:
     if "no matches for kind" in result.stderr:
         raise BadInput(f"the cluster does not know this engine's kind ({line}); "
                        "install its controller or pick another --engine")
+    if "immutable" in result.stderr:
+        raise BadInput(f"kubectl apply: {line}; a running workload keeps its spec: delete it first (the run "
+                       "resumes from S3) or submit a new run name")
     raise RetryLater(f"kubectl apply failed: {line}; check the cluster access and run again")
 
 
@@ -494,6 +615,11 @@ def last_line(text: str) -> str:
 
 def to_yaml(documents: list[dict]) -> str:
     return yaml.safe_dump_all(documents, sort_keys=False, default_flow_style=False)
+
+
+def to_json(documents: list[dict]) -> str:
+    """One v1 List, as `kubectl get -o json` prints several objects (kubectl apply -f takes it)."""
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": documents}, indent=2) + "\n"
 
 
 def check_run(args: argparse.Namespace) -> int:
@@ -509,17 +635,20 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         if args.check:
             return check_run(args)
-        documents = [render_configmap(), *render(args)]
+        configmap = render_configmap(args.name)
+        args.script = configmap["metadata"]["name"]
+        documents = [in_namespace(configmap, args.namespace), *render(args)]
         if args.apply:
-            apply(to_yaml(keep_existing_group_secret(documents)))
+            refuse_another_script(documents, args.name, args.namespace)
+            apply(to_yaml(keep_existing_group_secret(documents, args.namespace)))
         else:
-            sys.stdout.write(to_yaml(documents))
+            sys.stdout.write(to_json(documents) if args.format == "json" else to_yaml(documents))
     except BadInput as error:
         print(f"submit.py: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except RetryLater as error:
         print(f"submit.py: error: {error}", file=sys.stderr)
-        return EXIT_RETRY
+        return EXIT_UNAVAILABLE
     return 0
 
 

@@ -1,7 +1,8 @@
-"""The multi-node runtime under the other two engines scripts/submit.py renders, run by the local
+"""The multi-node runtime under the other engines scripts/submit.py renders, run by the local
 controllers of lab/local_job.py: a JobSet (JobSetRun: its child Indexed Job, failurePolicy,
-restart-attempt) and a Kubeflow PyTorchJob (PyTorchJobRun: the operator's pod names, env and
-restartPolicy ExitCode). 2 pods x 1 process each, the real job/script.sh, torchrun and trainer;
+restart-attempt), a Kubeflow PyTorchJob (PyTorchJobRun: the operator's pod names, env and
+restartPolicy ExitCode) and a Kubeflow Trainer v2 TrainJob (TrainJobRun: the JobSet the Trainer
+makes of it and its ClusterTrainingRuntime). 2 pods x 1 process each, the real job/script.sh, torchrun and trainer;
 every run must end bitwise equal to 1 pod x 2 processes of the same config."""
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def render(run: Run, engine: str, name: str) -> Path:
                              "--engine", engine, "--nodes", "2", "--gpus-per-node", "1"],
                             check=True, capture_output=True, text=True).stdout
     port = str(free_ports(2))
-    rendered = stream.replace(":29400", f":{port}") if engine == "jobset" else \
+    rendered = stream.replace(":29400", f":{port}") if engine in ("jobset", "trainjob") else \
         stream.replace("containerPort: 23456", f"containerPort: {port}")
     assert rendered != stream, "the port to replace is where it was"
     path = run.folder / f"{name}-{engine}.yaml"
@@ -41,7 +42,8 @@ def render(run: Run, engine: str, name: str) -> Path:
 
 
 def start(run: Run, engine: str, name: str = "g1", **env: str):
-    controller = {"jobset": local_job.JobSetRun, "pytorchjob": local_job.PyTorchJobRun}[engine]
+    controller = {"jobset": local_job.JobSetRun, "pytorchjob": local_job.PyTorchJobRun,
+                  "trainjob": local_job.TrainJobRun}[engine]
     first_ip = f"127.{random.randint(1, 254)}.{random.randint(0, 254)}.10"  # beside other tests' pods
     group = controller(render(run, engine, name), env=run.env(**env), first_ip=first_ip,
                        configmaps={"script-configmap": ROOT / "job"}, folder=run.folder / f"{engine}-pods")
@@ -91,6 +93,27 @@ def test_jobset_a_lost_node_restarts_both_pods_once_and_the_run_ends_bitwise_equ
     assert local_job.local_pod.load_job(second.manifest)["spec"]["template"]["metadata"]["annotations"][
         local_job.RESTART_ATTEMPT] == "1"
     node0, node1 = jobset.pod(0), jobset.pod(1)
+    assert "pod g1-node-0-0 (node 0 of 2) starting" in node0.output
+    assert "pod g1-node-0-1 (node 1 of 2) starting" in node1.output
+    assert node0.wait_for_event("resumed", timeout=5)["step"] > 0, "the group went on from S3, not from step 0"
+    assert_trained_to_the_end(group_run, model)
+
+
+def test_trainjob_a_lost_node_restarts_its_jobset_and_the_run_resumes_and_ends_bitwise_equal(group_run, groups,
+                                                                                             tmp_path):
+    model = reference(group_run, tmp_path / "reference")
+    trainjob = start(group_run, "trainjob")
+    groups.append(trainjob)
+    trainjob.pod(0).wait_for_event("uploaded", timeout=300)
+    assert trainjob.pod(1).lose_node()
+    state = trainjob.wait(timeout=600)
+    assert state == ("Complete", "AllJobsCompleted"), (trainjob.failures, trainjob.history, trainjob.output(0)[-3000:])
+    # The runtime's rules are --engine jobset's: SIGKILL fails the child Job, RestartJobSet, counted.
+    assert [f[:2] for f in trainjob.failures] == [(0, "BackoffLimitExceeded")]
+    assert (trainjob.restarts, trainjob.counted_restarts) == (1, 1)
+    assert [trainjob.attempts(0), trainjob.attempts(1)] == [2, 2], "both pods recreated, not only the lost one"
+    node0, node1 = trainjob.pod(0), trainjob.pod(1)
+    # The pods are the Trainer's (<trainjob>-node-0-<i>), their rank the Job's index (PET_NODE_RANK agrees).
     assert "pod g1-node-0-0 (node 0 of 2) starting" in node0.output
     assert "pod g1-node-0-1 (node 1 of 2) starting" in node1.output
     assert node0.wait_for_event("resumed", timeout=5)["step"] > 0, "the group went on from S3, not from step 0"

@@ -6,11 +6,16 @@
   made strict (additionalProperties: false wherever the schema lists properties). A cluster prunes
   unknown fields of a structural schema silently; here they are errors. CEL rules and the JobSet
   webhook are not run.
+- TrainJob and ClusterTrainingRuntime: Kubeflow Trainer v2.3.0's CRD schemas, strict the same way;
+  the JobSet the Trainer makes of them (lab/local_job.py's model) against JobSet v0.12.0's, the
+  version Trainer v2.3.0 builds on, and its child Job through kubernetes-validate.
 - PyTorchJob: the Kubeflow training SDK's models (kubeflow-training): deserialized and serialized
   back; any field that does not survive is unknown to the SDK. And the training operator's CRD
   schema (v1.9.4), made strict the same way.
-- The CLI: the ConfigMap is kubectl's own rendering of job/, --apply pipes exactly the printed stream
-  to `kubectl apply -f -`, and a failed apply exits 64 (the CRD is missing) or 75 (no cluster).
+- The CLI: the ConfigMap is kubectl's own rendering of job/, named after its content and immutable;
+  --apply pipes exactly the printed stream to `kubectl apply -f -`, refuses (64) a run that the
+  cluster runs with another script, and a failed apply exits 64 (the CRD is missing, a field is
+  immutable) or 75 (no cluster).
 
 No root and no S3; apart from kubectl and kubernetes-validate everything runs in this process.
 """
@@ -20,6 +25,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +34,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import local_job
+import submit as submit_py
 from podlab import ROOT, VENV_BIN
 
 SUBMIT = ROOT / "scripts" / "submit.py"
@@ -35,8 +44,10 @@ RUN = ["run-a", "--image", "registry/gpt:1", "--code", "s3://bkt/gpt/code/", "--
        "--output", "s3://bkt/gpt/runs/a/"]
 CASES = {"job": ["--engine", "job"], "indexed": ["--engine", "indexed", "--nodes", "3"],
          "jobset": ["--engine", "jobset", "--nodes", "3"], "pytorchjob": ["--engine", "pytorchjob", "--nodes", "3"],
-         "pytorchjob-1": ["--engine", "pytorchjob", "--nodes", "1", "--gpus-per-node", "8"]}
+         "pytorchjob-1": ["--engine", "pytorchjob", "--nodes", "1", "--gpus-per-node", "8"],
+         "trainjob": ["--engine", "trainjob", "--nodes", "3"]}
 BUILT_IN = {"ConfigMap", "Secret", "NetworkPolicy", "Service", "Job", "PodTemplate"}
+SCRIPT_NAME = re.compile(r"run-a-script-[0-9a-f]{10}")
 
 
 def submit(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -63,6 +74,12 @@ def built_in_parts(docs: list[dict]) -> list[dict]:
                 parts.append({"apiVersion": "batch/v1", "kind": "Job", **replicated["template"],
                               "metadata": {"name": f"{doc['metadata']['name']}-{replicated['name']}-0",
                                            **replicated["template"].get("metadata", {})}})
+        elif doc["kind"] == "ClusterTrainingRuntime":
+            [replicated] = doc["spec"]["template"]["spec"]["replicatedJobs"]
+            parts.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": doc["metadata"]["name"]},
+                          "spec": replicated["template"]["spec"]})
+        elif doc["kind"] == "TrainJob":  # the pods the Trainer makes of it: its JobSet's child Job
+            parts += built_in_parts([trainer_jobset(docs)])
         elif doc["kind"] == "PyTorchJob":
             for rtype, replica in doc["spec"]["pytorchReplicaSpecs"].items():
                 parts.append({"apiVersion": "v1", "kind": "PodTemplate",
@@ -73,12 +90,19 @@ def built_in_parts(docs: list[dict]) -> list[dict]:
     return parts
 
 
+def trainer_jobset(docs: list[dict]) -> dict:
+    [trainjob] = [d for d in docs if d["kind"] == "TrainJob"]
+    [runtime] = [d for d in docs if d["kind"] == "ClusterTrainingRuntime"]
+    return local_job.trainer_jobset(trainjob, runtime)
+
+
 def test_every_engine_renders_its_kinds(streams):
     kinds = {case: [d["kind"] for d in docs] for case, docs in streams.items()}
     door = ["Secret", "NetworkPolicy"]  # the group's key, and who may reach its pods
     assert kinds == {"job": ["ConfigMap", "NetworkPolicy", "Job"], "indexed": ["ConfigMap", *door, "Service", "Job"],
                      "jobset": ["ConfigMap", *door, "JobSet"], "pytorchjob": ["ConfigMap", *door, "PyTorchJob"],
-                     "pytorchjob-1": ["ConfigMap", *door, "PyTorchJob"]}
+                     "pytorchjob-1": ["ConfigMap", *door, "PyTorchJob"],
+                     "trainjob": ["ConfigMap", *door, "ClusterTrainingRuntime", "TrainJob"]}
     assert all(d["kind"] in BUILT_IN for docs in streams.values() for d in built_in_parts(docs))
 
 
@@ -99,7 +123,7 @@ def test_built_in_objects_pass_kubernetes_validate_strict(version, streams, tmp_
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     passed = [line for line in result.stdout.splitlines() if " passed for resource " in line]
-    assert len(passed) == len(files) == 21, result.stdout + result.stderr
+    assert len(passed) == len(files) == 26, result.stdout + result.stderr
 
 
 def test_kubernetes_validate_strict_would_catch_a_misplaced_field(streams, tmp_path):
@@ -127,6 +151,9 @@ def strict(schema):
 
 JOBSET_SCHEMAS = sorted(SCHEMAS.glob("jobset-*.json"))
 PYTORCHJOB_SCHEMAS = sorted(SCHEMAS.glob("pytorchjob-*.json"))
+TRAINJOB_SCHEMA = SCHEMAS / "trainjob-v2.3.0.json"
+RUNTIME_SCHEMA = SCHEMAS / "clustertrainingruntime-v2.3.0.json"
+TRAINER_JOBSET_SCHEMA = SCHEMAS / "jobset-v0.12.0.json"  # the JobSet Trainer v2.3.0 builds on (its go.mod)
 
 
 def schema_errors(doc: dict, schema_file: Path) -> list[str]:
@@ -140,9 +167,12 @@ def schema_errors(doc: dict, schema_file: Path) -> list[str]:
 def test_the_vendored_crd_schemas_name_their_source():
     assert [p.name for p in JOBSET_SCHEMAS] == ["jobset-v0.10.0.json", "jobset-v0.12.0.json"]
     assert [p.name for p in PYTORCHJOB_SCHEMAS] == ["pytorchjob-v1.9.4.json"]
-    for path in JOBSET_SCHEMAS + PYTORCHJOB_SCHEMAS:
+    assert sorted(p.name for p in SCHEMAS.glob("*.json")) == sorted(
+        p.name for p in [*JOBSET_SCHEMAS, *PYTORCHJOB_SCHEMAS, TRAINJOB_SCHEMA, RUNTIME_SCHEMA])
+    for path in SCHEMAS.glob("*.json"):
         vendored = json.loads(path.read_text())
         assert len(vendored["commit"]) == 40 and vendored["commit"] in vendored["source"]
+        assert vendored["tag"] in path.name
     for path in JOBSET_SCHEMAS:
         assert "onJobFailureMessagePatterns" in path.read_text(), "the rules need JobSet >= v0.10.0"
 
@@ -158,6 +188,44 @@ def test_pytorchjob_passes_its_crd_schema_strictly(case, streams):
     [job] = [d for d in streams[case] if d["kind"] == "PyTorchJob"]
     for schema_file in PYTORCHJOB_SCHEMAS:
         assert schema_errors(job, schema_file) == []
+
+
+# -- TrainJob: Kubeflow Trainer v2.3.0's CRDs, and the JobSet the Trainer makes ------------------------
+
+def test_trainjob_and_its_runtime_pass_the_trainer_crd_schemas_strictly(streams):
+    [runtime] = [d for d in streams["trainjob"] if d["kind"] == "ClusterTrainingRuntime"]
+    [trainjob] = [d for d in streams["trainjob"] if d["kind"] == "TrainJob"]
+    assert schema_errors(runtime, RUNTIME_SCHEMA) == []
+    assert schema_errors(trainjob, TRAINJOB_SCHEMA) == []
+
+
+def test_the_jobset_the_trainer_makes_passes_jobset_v0_12_strictly(streams):
+    jobset = trainer_jobset(streams["trainjob"])
+    assert schema_errors(jobset, TRAINER_JOBSET_SCHEMA) == []
+    assert jobset["spec"]["failurePolicy"] == next(d for d in streams["jobset"] if d["kind"] == "JobSet")["spec"][
+        "failurePolicy"], "the same failure rules as --engine jobset"
+
+
+BROKEN_TRAINJOBS = [
+    # (which document, change, what the error names)
+    ("TrainJob", lambda d: d["spec"]["trainer"].update(numNode=2), "'numNode' was unexpected"),
+    ("TrainJob", lambda d: d["spec"]["trainer"].update(numProcPerNode="4"), "'4' is not of type 'integer'"),
+    ("TrainJob", lambda d: d["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+     ["template"]["spec"].update(backoffLimit=3), "'backoffLimit' was unexpected"),  # not a field a patch may set
+    ("TrainJob", lambda d: d["spec"].update(podTemplateOverrides=[]), "'podTemplateOverrides' was unexpected"),
+    ("ClusterTrainingRuntime", lambda d: d["spec"]["mlPolicy"].update(torch={"numProcPerNode": 4}),
+     "'numProcPerNode' was unexpected"),
+    ("ClusterTrainingRuntime", lambda d: d["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+     ["template"]["spec"]["containers"][0].update(gpus=4), "'gpus' was unexpected"),
+]
+
+
+@pytest.mark.parametrize("kind, change, message", BROKEN_TRAINJOBS, ids=[m for _, _, m in BROKEN_TRAINJOBS])
+def test_the_strict_trainer_check_rejects(kind, change, message, streams):
+    [doc] = [copy.deepcopy(d) for d in streams["trainjob"] if d["kind"] == kind]
+    change(doc)
+    errors = schema_errors(doc, TRAINJOB_SCHEMA if kind == "TrainJob" else RUNTIME_SCHEMA)
+    assert any(message in e for e in errors), errors
 
 
 BROKEN_JOBSETS = [
@@ -226,15 +294,39 @@ def test_the_pytorchjob_checks_report_unknown_and_mistyped_fields(streams):
 
 # -- the command ----------------------------------------------------------------------------------
 
-def test_the_configmap_is_kubectls_rendering_of_job(streams):
+def kubectl_configmap(job_dir: Path) -> dict:
     result = subprocess.run([str(VENV_BIN / "kubectl"), "create", "configmap", "script-configmap",
-                             f"--from-file={ROOT / 'job'}", "--dry-run=client", "-o", "yaml"],
+                             f"--from-file={job_dir}", "--dry-run=client", "-o", "yaml"],
                             capture_output=True, text=True, check=True)
-    expected = yaml.safe_load(result.stdout)
-    expected["metadata"].pop("creationTimestamp", None)
-    for docs in streams.values():
-        assert docs[0] == expected
+    return yaml.safe_load(result.stdout)
+
+
+def test_the_configmap_is_kubectls_rendering_of_job_named_after_its_content(streams):
+    expected = kubectl_configmap(ROOT / "job")
     assert expected["data"]["script.sh"] == (ROOT / "job" / "script.sh").read_text()
+    names = set()
+    for docs in streams.values():
+        configmap = docs[0]
+        assert configmap["data"] == expected["data"] and configmap["immutable"] is True
+        assert SCRIPT_NAME.fullmatch(configmap["metadata"]["name"]), configmap["metadata"]
+        assert configmap["metadata"]["labels"] == {"app.kubernetes.io/name": "run-a", "app.kubernetes.io/component": "script"}
+        names.add(configmap["metadata"]["name"])
+        assert set(submit_py.script_names(docs[-1], "run-a")) == names, "the workload mounts this one"
+    assert len(names) == 1, "the same job/ is the same ConfigMap, whatever the engine"
+
+
+def test_a_changed_job_folder_is_a_new_configmap_and_the_same_one_the_same(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", f"{VENV_BIN}:{os.environ['PATH']}")
+    submit = submit_py
+    copied = tmp_path / "job"
+    shutil.copytree(ROOT / "job", copied)
+    same = submit.render_configmap("run-a", copied)["metadata"]["name"]
+    assert same == submit.render_configmap("run-a", ROOT / "job")["metadata"]["name"]
+    (copied / "script.sh").write_text((copied / "script.sh").read_text() + "\n# changed\n")
+    changed = submit.render_configmap("run-a", copied)["metadata"]["name"]
+    assert changed != same and SCRIPT_NAME.fullmatch(changed)
+    assert submit.render_configmap("run-b", ROOT / "job")["metadata"]["name"] == "run-b" + same[len("run-a"):], \
+        "another run's map has another name: two runs never share one"
 
 
 def fake_kubectl(tmp_path: Path, apply_says: str = "", apply_exit: int = 0) -> tuple[dict, Path]:
@@ -297,3 +389,65 @@ def test_apply_without_a_reachable_cluster_exits_75(tmp_path):
     result = submit(*RUN, "--apply", env={"KUBECONFIG": str(config)})
     assert result.returncode == 75, result.stderr
     assert len(result.stderr.splitlines()) == 1 and "check the cluster access and run again" in result.stderr
+
+
+def kubectl_answering(tmp_path: Path, get_line: str, answer: dict, apply_says: str = "", apply_exit: int = 0):
+    """fake_kubectl whose `get` of `get_line` (its first words) prints `answer` as JSON, and which
+    records every command it is given."""
+    env, record = fake_kubectl(tmp_path, apply_says, apply_exit)
+    script, calls = tmp_path / "bin" / "kubectl", tmp_path / "calls"
+    (tmp_path / "answer.json").write_text(json.dumps(answer))
+    words = len(get_line.split())
+    matched = " ".join(f"${i}" for i in range(1, words + 1))
+    script.write_text(script.read_text().replace(
+        "\nif", f"\necho \"$*\" >> '{calls}'\nif [ \"{matched}\" = \"{get_line}\" ]; then cat '{tmp_path / 'answer.json'}'; "
+                "exit 0; fi\nif", 1))
+    return env, record, calls
+
+
+def printed(*flags: str, env: dict) -> list[dict]:
+    result = submit(*RUN, *flags, env=env)
+    assert result.returncode == 0, result.stderr
+    return list(yaml.safe_load_all(result.stdout))
+
+
+def running_with(script: str) -> dict:
+    """A JobSet as `kubectl get -o json` shows it, whose pods mount `script`."""
+    return {"kind": "JobSet", "spec": {"replicatedJobs": [{"template": {"spec": {"template": {"spec": {
+        "volumes": [{"name": "job", "configMap": {"name": script, "defaultMode": 365}}]}}}}}]}}
+
+
+def test_apply_refuses_a_run_the_cluster_runs_with_another_script(tmp_path):
+    env, record, calls = kubectl_answering(tmp_path, "get jobset.jobset.x-k8s.io run-a",
+                                           running_with("run-a-script-0123456789"))
+    result = submit(*RUN, *CASES["jobset"], "-n", "team", "--apply", env=env)
+    assert result.returncode == 64 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "JobSet run-a already runs with the ConfigMap run-a-script-0123456789, and job/ has changed since" in result.stderr
+    assert "kubectl delete jobset.jobset.x-k8s.io run-a -n team; the run resumes from S3" in result.stderr
+    assert not record.exists(), "nothing applied"
+    assert "get jobset.jobset.x-k8s.io run-a -o json --request-timeout=20s --namespace team" in calls.read_text()
+
+
+def test_apply_goes_on_when_the_cluster_runs_the_same_script(tmp_path):
+    ours = printed(*CASES["jobset"], env={})[0]["metadata"]["name"]
+    env, record, _ = kubectl_answering(tmp_path, "get jobset.jobset.x-k8s.io run-a", running_with(ours))
+    result = submit(*RUN, *CASES["jobset"], "--apply", env=env)
+    assert result.returncode == 0, result.stderr
+    assert [d["kind"] for d in yaml.safe_load_all(record.read_text())] == ["ConfigMap", "Secret", "NetworkPolicy", "JobSet"]
+
+
+def test_apply_names_an_immutable_field_as_bad_input(tmp_path):
+    env, _ = fake_kubectl(tmp_path, 'The Job "run-a" is invalid: spec.template: Invalid value: "...": field is immutable', 1)
+    result = submit(*RUN, *CASES["indexed"], "--apply", env=env)
+    assert result.returncode == 64 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "field is immutable; a running workload keeps its spec: delete it first" in result.stderr
+
+
+def test_apply_in_a_namespace_asks_for_the_secret_there_and_applies_there(tmp_path):
+    env, record, calls = kubectl_answering(tmp_path, "get nothing", {})
+    result = submit(*RUN, *CASES["trainjob"], "--namespace", "team", "--apply", env=env)
+    assert result.returncode == 0, result.stderr
+    applied = list(yaml.safe_load_all(record.read_text()))
+    assert {d["kind"]: d["metadata"].get("namespace") for d in applied} == {
+        "ConfigMap": "team", "Secret": "team", "NetworkPolicy": "team", "ClusterTrainingRuntime": None, "TrainJob": "team"}
+    assert "get secret run-a-group -o name --request-timeout=20s --namespace team" in calls.read_text()

@@ -57,7 +57,7 @@ class Findings:
 
 def check(documents: list[dict]) -> int:
     container = first_container(documents)
-    env = {e["name"]: e["value"] for e in container.get("env", []) if isinstance(e.get("value"), str)}
+    env = pod_env(container)
     said = Findings()
     words = check_settings(env, said)
     try:
@@ -74,8 +74,18 @@ def check(documents: list[dict]) -> int:
     return 0
 
 
+def pod_env(container: dict) -> dict[str, str]:
+    """The container's env values as the pod reads them: '$$' is Kubernetes' escape of '$' (submit.py
+    writes every '$' of a flag's value so)."""
+    return {e["name"]: e["value"].replace("$$", "$") for e in container.get("env", []) if isinstance(e.get("value"), str)}
+
+
 def first_container(documents: list[dict]) -> dict:
-    """The workload's container, whatever the engine nests it in."""
+    """The workload's container, whatever the engine nests it in; a TrainJob's is its runtime's,
+    with the TrainJob's trainer env and GPUs over it, as the Trainer makes it."""
+    trainjob = next((d for d in documents if d.get("kind") == "TrainJob"), None)
+    if trainjob is not None:
+        return trainer_container(first_container([d for d in documents if d is not trainjob]), trainjob["spec"]["trainer"])
     stack = list(documents)
     while stack:
         node = stack.pop(0)
@@ -86,6 +96,17 @@ def first_container(documents: list[dict]) -> dict:
         elif isinstance(node, list):
             stack.extend(node)
     raise ValueError("no container in the rendered workload")
+
+
+def trainer_container(container: dict, trainer: dict) -> dict:
+    merged = {**container, "env": list(container.get("env", []))}
+    for entry in trainer.get("env", []):
+        merged["env"] = [e for e in merged["env"] if e["name"] != entry["name"]] + [entry]
+    gpus = (trainer.get("resourcesPerNode") or {}).get("limits", {}).get("nvidia.com/gpu")
+    if gpus is not None:
+        merged["resources"] = {**container.get("resources", {}), "limits": {**container.get("resources", {}).get(
+            "limits", {}), "nvidia.com/gpu": gpus}}
+    return merged
 
 
 def processes(env: dict, container: dict) -> int:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import re
 
 import pytest
 import yaml
 
+import local_job
 import local_pod
 import submit
 from podlab import ROOT
@@ -40,19 +42,32 @@ BAD_FLAGS = [
     (["a" * 41], "at most 40 characters"),
     (["--nodes", "two"], "argument --nodes: invalid int value: 'two'; see submit.py --help"),
     (["--nodes", "0"], "--nodes 0 must be at least 1"),
-    (["--nodes", "2"], "--engine job runs one pod, not --nodes 2; use --engine indexed, jobset or pytorchjob"),
+    (["--nodes", "2"], "--engine job runs one pod, not --nodes 2; use --engine indexed, jobset, trainjob or pytorchjob"),
     (["--engine", "mpi"], "argument --engine: invalid choice: 'mpi'"),
     (["--gpus-per-node", "0"], "--gpus-per-node 0 must be at least 1"),
     (["--code", "https://bkt/code/"], "--code 'https://bkt/code/' is not an s3://bucket/prefix/ URI; e.g. --code s3://"),
     (["--output", "s3://bkt/gpt/code/run/"],
      "--output s3://bkt/gpt/code/run/ and --code s3://bkt/gpt/code/ overlap; give --output its own prefix"),
     (["--output", "s3://bkt/gpt/"], "--output s3://bkt/gpt/ and --code s3://bkt/gpt/code/ overlap"),
-    (["--train-config", "/etc/conf.yaml"],
-     "--train-config '/etc/conf.yaml' must be a path relative to the code, e.g. --train-config config/conf.yaml"),
+    (["--config", "/etc/conf.yaml"],
+     "--config '/etc/conf.yaml' must be a path relative to the code, e.g. --config config/conf.yaml"),
     (["--train-script", "../x.py"],
      "--train-script '../x.py' must be a path relative to the code, e.g. --train-script train.py"),
     (["--image", "two words"], "--image 'two words' is not an image reference"),
     (["--apply", "--dry-run"], "not allowed with argument"),
+    (["--model", "s3://bkt/gpt/runs/a/model/"], "--output s3://bkt/gpt/runs/a/ and --model s3://bkt/gpt/runs/a/model/ overlap"),
+    (["--model", "gs://bkt/m/"], "--model 'gs://bkt/m/' is not an s3://bucket/prefix/ URI"),
+    (["--env", "SYNC_INTERVAL_SECONDS"], "--env 'SYNC_INTERVAL_SECONDS' is not KEY=VALUE"),
+    (["--env", "1X=2"], "--env '1X=2' is not KEY=VALUE with KEY a variable name"),
+    (["--env", "S3_OUTPUT_URI=s3://other/"], "--env S3_OUTPUT_URI: set it with --output"),
+    (["--env", "TRAIN_ARGS=--x"], "--env TRAIN_ARGS: set it with --train-args"),
+    (["--env", "NNODES=4"], "--env NNODES: set it with --nodes"),
+    (["--env", "RDZV_ENDPOINT=h:1"], "--env RDZV_ENDPOINT: the engine sets it for every pod of the group"),
+    (["--env", "GROUP_SECRET=k"], "--env GROUP_SECRET: the engine sets it"),
+    (["--env", "PET_NNODES=2"], "--env PET_NNODES: the engine sets it"),
+    (["--train-args", "--set 'run.name=a b"], "--train-args has an unbalanced quote: the pod would refuse it"),
+    (["--train-args", "--lr 1 \\"], "--train-args ends in a lone backslash"),
+    (["--namespace", "Team_A"], "--namespace 'Team_A' is not a namespace name"),
 ]
 
 
@@ -75,6 +90,22 @@ def test_a_bad_flag_exits_64_with_one_line(flags, message, capsys):
     assert out == ""
     assert len(err.splitlines()) == 1 and err.startswith("submit.py: error: "), err
     assert message in err
+
+
+MORE_BAD_FLAGS = [
+    # (flags added to GOOD as they are, what the one line must say)
+    (["--env", "A=1", "--env", "A=2"], "--env A is given twice; give it once"),
+    (["-o", "xml"], "argument -o: invalid choice: 'xml'"),
+    (["-o", "json", "--apply"], "-o formats the printed stream; --apply and --check print none"),
+    (["--check", "-o", "yaml"], "-o formats the printed stream"),
+]
+
+
+@pytest.mark.parametrize("flags, message", MORE_BAD_FLAGS, ids=[" ".join(f) for f, _ in MORE_BAD_FLAGS])
+def test_a_bad_combination_exits_64_with_one_line(flags, message, capsys):
+    assert submit.main([*GOOD, *flags]) == 64
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and message in err, err
 
 
 def test_a_missing_flag_names_it():
@@ -108,14 +139,17 @@ def test_the_job_differs_from_job_yaml_only_where_the_flags_say():
     assert env["TRAIN_SCRIPT"] == "ft.py" and env["S3_OUTPUT_URI"] == "s3://bkt/gpt/runs/a/"
 
 
-def workload(engine: str, nodes: int = 3) -> tuple[list[dict], dict, dict]:
+def workload(engine: str, nodes: int = 3, *flags: str) -> tuple[list[dict], dict, dict]:
     """(documents, the workload's pod template, what replaces job.yaml's Job spec)."""
-    docs = submit.render(args("--engine", engine, "--nodes", str(nodes)))
+    docs = submit.render(args("--engine", engine, "--nodes", str(nodes), *flags))
     work = docs[-1]
     if engine in ("job", "indexed"):
         return docs, work["spec"]["template"], work["spec"]
     if engine == "jobset":
         child = work["spec"]["replicatedJobs"][0]["template"]["spec"]
+        return docs, child["template"], child
+    if engine == "trainjob":  # the pods are those of the JobSet the Trainer makes of the TrainJob and its runtime
+        child = local_job.trainer_jobset(work, docs[-2])["spec"]["replicatedJobs"][0]["template"]["spec"]
         return docs, child["template"], child
     return docs, work["spec"]["pytorchReplicaSpecs"]["Master"]["template"], work["spec"]
 
@@ -126,7 +160,10 @@ ENGINES = [
     ("indexed", ["Secret", "NetworkPolicy", "Service", "Job"], "run-a-0.run-a:29400", "trainer", "run-a"),
     ("jobset", ["Secret", "NetworkPolicy", "JobSet"], "run-a-node-0-0.run-a:29400", "trainer", None),
     ("pytorchjob", ["Secret", "NetworkPolicy", "PyTorchJob"], None, "pytorch", None),
+    ("trainjob", ["Secret", "NetworkPolicy", "ClusterTrainingRuntime", "TrainJob"], "run-a-node-0-0.run-a:29400",
+     "node", None),
 ]
+PET_ENV = {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"}
 
 
 @pytest.mark.parametrize("engine, kinds, endpoint, container, subdomain", ENGINES, ids=[e[0] for e in ENGINES])
@@ -139,13 +176,14 @@ def test_each_engine_changes_only_what_it_needs_in_job_yamls_pod(engine, kinds, 
     assert pod["containers"][0]["name"] == container and pod.get("subdomain") == subdomain
     normalized = copy.deepcopy(template)
     normalized["spec"]["containers"][0]["name"] = "trainer"
-    if engine == "pytorchjob":
+    if engine in ("pytorchjob", "trainjob"):
         del normalized["spec"]["containers"][0]["ports"]
     c = ".spec.containers.trainer"
     expected = {".metadata.labels.app.kubernetes.io/name", f"{c}.image", f"{c}.env.S3_CODE_URI.value",
                 f"{c}.env.S3_DATA_URI.value", f"{c}.env.S3_OUTPUT_URI.value", f"{c}.env.NNODES", f"{c}.env.NPROC_PER_NODE",
                 f"{c}.env.GROUP_SECRET"}
     expected |= ({f"{c}.env.RDZV_ENDPOINT"} if endpoint else set()) | ({".spec.subdomain"} if subdomain else set())
+    expected |= {f"{c}.env.{name}" for name in PET_ENV} if engine == "trainjob" else set()
     assert differences(normalized, JOB["spec"]["template"]) == expected
 
 
@@ -200,7 +238,7 @@ def test_pytorchjob_has_one_master_and_the_rest_workers(nodes, workers):
         assert replicas["Worker"]["template"] == template, "every pod of the group is the same pod"
 
 
-@pytest.mark.parametrize("engine", ["job", "indexed", "jobset", "pytorchjob"])
+@pytest.mark.parametrize("engine", ["job", "indexed", "jobset", "pytorchjob", "trainjob"])
 def test_a_change_to_job_yaml_reaches_every_engine(engine):
     job = copy.deepcopy(JOB)
     job["spec"]["template"]["spec"]["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
@@ -228,7 +266,7 @@ def test_an_unreadable_job_yaml_is_bad_input(tmp_path):
 
 # -- the group's door: a Secret per run, a NetworkPolicy, literal env values ---------------------------
 
-@pytest.mark.parametrize("engine", ["indexed", "jobset", "pytorchjob"])
+@pytest.mark.parametrize("engine", ["indexed", "jobset", "pytorchjob", "trainjob"])
 def test_every_pod_of_a_group_takes_its_key_from_the_runs_own_secret(engine):
     docs, template, _ = workload(engine, 2)
     [secret] = [d for d in docs if d["kind"] == "Secret"]
@@ -247,7 +285,7 @@ def test_one_pod_needs_no_group_secret():
     assert "GROUP_SECRET" not in yaml.safe_dump_all(docs)
 
 
-@pytest.mark.parametrize("engine", ["job", "indexed", "jobset", "pytorchjob"])
+@pytest.mark.parametrize("engine", ["job", "indexed", "jobset", "pytorchjob", "trainjob"])
 def test_the_network_policy_admits_the_runs_pods_only_the_runs_pods(engine):
     docs, template, _ = workload(engine, 1 if engine == "job" else 2)
     [policy] = [d for d in docs if d["kind"] == "NetworkPolicy"]
@@ -265,7 +303,7 @@ def test_a_dollar_in_a_flags_value_reaches_the_pod_literally():
     # which the pod then prints in its first line.
     output = "s3://bkt/gpt/runs/$(AWS_SECRET_ACCESS_KEY)/"
     rendered = yaml.safe_load_all(submit.to_yaml(submit.render(submit.parse_args(
-        [*GOOD[:-2], "--output", output, "--train-config", "config/$x.yaml", "--engine", "indexed", "--nodes", "2"]))))
+        [*GOOD[:-2], "--output", output, "--config", "config/$x.yaml", "--engine", "indexed", "--nodes", "2"]))))
     [job] = [d for d in rendered if d["kind"] == "Job"]
     env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["S3_OUTPUT_URI"] == "s3://bkt/gpt/runs/$$(AWS_SECRET_ACCESS_KEY)/"
@@ -274,3 +312,84 @@ def test_a_dollar_in_a_flags_value_reaches_the_pod_literally():
     assert local_pod.expand(env["S3_OUTPUT_URI"], defined) == output
     assert local_pod.expand(env["TRAIN_CONFIG"], defined) == "config/$x.yaml"
     assert env["NNODES"] == "2" and env["S3_CODE_URI"] == "s3://bkt/gpt/code/", "values without '$' unchanged"
+
+
+# -- kubectl habits: --env, --train-args, --model, --config, --namespace, -o ---------------------------
+
+ALL_ENGINES = ["job", "indexed", "jobset", "pytorchjob", "trainjob"]
+
+
+def pod_env(engine: str, *flags: str) -> dict:
+    docs, template, _ = workload(engine, 1 if engine == "job" else 2, *flags)
+    return {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
+
+
+@pytest.mark.parametrize("engine", ALL_ENGINES)
+def test_the_settings_flags_reach_every_engines_pod_literally(engine):
+    env = pod_env(engine, "--model", "s3://bkt/models/gpt2/", "--config", "config/ft.yaml",
+                  "--train-args", "--set 'run.name=a b' --lr $LR", "--env", "SYNC_INTERVAL_SECONDS=30",
+                  "--env", "MY_TOKEN_FILE=/var/$(x)", "--env", "EMPTY=")
+    assert env["S3_MODEL_URI"] == "s3://bkt/models/gpt2/" and env["TRAIN_CONFIG"] == "config/ft.yaml"
+    assert env["TRAIN_ARGS"] == "--set 'run.name=a b' --lr $$LR", "a '$' is Kubernetes' escape '$$'"
+    assert env["SYNC_INTERVAL_SECONDS"] == "30", "--env replaces job.yaml's value"
+    assert env["MY_TOKEN_FILE"] == "/var/$$(x)" and env["EMPTY"] == ""
+    assert local_pod.expand(env["MY_TOKEN_FILE"], {"x": "secret"}) == "/var/$(x)"
+
+
+@pytest.mark.parametrize("engine", ALL_ENGINES)
+def test_without_the_new_flags_the_pod_has_none_of_their_settings(engine):
+    env = pod_env(engine)
+    assert not {"S3_MODEL_URI", "TRAIN_ARGS"} & env.keys()
+    assert env["TRAIN_CONFIG"] == JOB_ENV["TRAIN_CONFIG"] and env["SYNC_INTERVAL_SECONDS"] == "60"
+
+
+def test_train_config_is_still_taken_for_config():
+    assert args("--train-config", "config/a.yaml").train_config == args("--config", "config/a.yaml").train_config
+
+
+def test_an_env_name_a_typo_away_from_a_setting_is_warned_about(capsys):
+    env = submit.env_flags(["TRAIN_ARG=--lr 1", "SYNC_INTERVAL_SECOND=5", "MY_OWN=1"])
+    assert env == {"TRAIN_ARG": "--lr 1", "SYNC_INTERVAL_SECOND": "5", "MY_OWN": "1"}
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["submit.py: warning: --env SYNC_INTERVAL_SECOND is not a setting of the pod, so it is ignored; "
+                   "did you mean SYNC_INTERVAL_SECONDS?",
+                   "submit.py: warning: --env TRAIN_ARG is not a setting of the pod, so it is ignored; "
+                   "did you mean TRAIN_ARGS?"]
+
+
+@pytest.mark.parametrize("engine", ALL_ENGINES)
+def test_namespace_places_every_namespaced_object_and_only_those(engine):
+    nodes = "1" if engine == "job" else "2"
+    docs = submit.render(args("--engine", engine, "--nodes", nodes, "-n", "team-a"))
+    placed = {d["kind"]: d["metadata"].get("namespace") for d in docs}
+    assert placed == {kind: None if kind == "ClusterTrainingRuntime" else "team-a" for kind in placed}
+    assert all("namespace" not in d["metadata"] for d in submit.render(args("--engine", engine, "--nodes", nodes))), \
+        "without -n: kubectl's context decides"
+
+
+@pytest.mark.parametrize("engine", ALL_ENGINES)
+def test_every_workload_mounts_the_runs_own_configmap(engine):
+    run = args("--engine", engine, "--nodes", "1" if engine == "job" else "2")
+    run.script = "run-a-script-0123456789"
+    docs = submit.render(run)
+    workload = docs[-1]
+    assert set(submit.script_names(workload, "run-a")) == {"run-a-script-0123456789"}
+    if engine == "trainjob":
+        [volume] = workload["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
+            "template"]["spec"]["template"]["spec"]["volumes"]
+        assert volume == {"name": "job", "configMap": {"name": "run-a-script-0123456789", "defaultMode": 0o555}}
+        assert submit.script_names(docs[-2], "run-a") == [submit.CONFIGMAP], "the shared runtime names no run's map"
+        pod = local_job.trainer_jobset(workload, docs[-2])["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+        assert submit.script_names(pod, "run-a") == ["run-a-script-0123456789"], "the TrainJob's patch wins"
+
+
+def test_json_is_one_v1_list_of_the_same_documents(monkeypatch, capsys):
+    monkeypatch.setattr(submit, "render_configmap", lambda run: {"apiVersion": "v1", "kind": "ConfigMap",
+                                                                 "metadata": {"name": f"{run}-script-x"}, "data": {}})
+    monkeypatch.setattr(submit, "group_secret", lambda run: {"apiVersion": "v1", "kind": "Secret",
+                                                             "metadata": {"name": f"{run}-group"}, "data": {}})
+    assert submit.main([*GOOD, "--engine", "jobset", "--nodes", "2", "-o", "json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert submit.main([*GOOD, "--engine", "jobset", "--nodes", "2"]) == 0
+    assert listed == {"apiVersion": "v1", "kind": "List", "items": list(yaml.safe_load_all(capsys.readouterr().out))}
+    assert [d["kind"] for d in listed["items"]] == ["ConfigMap", "Secret", "NetworkPolicy", "JobSet"]
