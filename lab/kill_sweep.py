@@ -9,9 +9,11 @@ commits is kept), then runs the same command again and again, each process SIGKI
 its process group) at a moment drawn from the seed: the first steps, anywhere in training, while a
 background save is in flight, during an evaluation, while best/ is linked. After every process, each
 checkpoint it committed is compared with the reference's of the same step (model.pt, state.pt: every
-tensor's bytes and every other value); the final step and best/ too. --hog N keeps N busy processes
-running throughout; --threads sets OMP_NUM_THREADS for the trainer ("unset": torch's default, as in
-a user's shell). The first runs that differ are kept (logs, checkpoints, reference) under --keep-dir.
+tensor's bytes and every other value); the final step and best/ too. A difference counts against the
+resume that started the process (or, in a run's first process, against no resume at all).
+--hog N keeps N busy processes running throughout; --threads sets OMP_NUM_THREADS for the trainer
+("unset": torch's default, as in a user's shell), --reference-threads for the reference alone. The
+first runs that differ are kept (every process's log, the checkpoints, the reference) in --keep-dir.
 Prints a line per kill and a summary; exit 0 when every checkpoint matched, 1 otherwise.
 """
 
@@ -123,6 +125,8 @@ def checkpoint_differences(folder: Path, reference: Path) -> list[str]:
 class Trainer:
     """One train.py process: its output read as it comes (events parsed), killed on request."""
 
+    started: list["Trainer"] = []  # every one, so that a stopped sweep leaves none behind
+
     def __init__(self, command: list[str], env: dict, log: Path):
         self.log = open(log, "w")  # noqa: SIM115 - closed in wait()
         self.events: list[dict] = []
@@ -130,6 +134,7 @@ class Trainer:
                                      env=env, start_new_session=True)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
+        Trainer.started.append(self)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -166,10 +171,8 @@ class Sweep:
         self.config = self._config_file()
         self.env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         self.env["PYTHONUNBUFFERED"] = "1"
-        if args.threads == "unset":
-            self.env.pop("OMP_NUM_THREADS", None)
-        else:
-            self.env["OMP_NUM_THREADS"] = args.threads
+        self.env = with_threads(self.env, args.threads)
+        self.reference_env = with_threads(self.env, args.reference_threads or args.threads)
         self.step_seconds = 0.05
         self.max_steps = 0
         self.reference = work / "reference"
@@ -195,7 +198,7 @@ class Sweep:
         out, kept = self.reference / "out", self.reference / "kept"
         kept.mkdir(parents=True)
         started = time.monotonic()
-        trainer = Trainer(self.command(out), self.env, self.reference / "train.log")
+        trainer = Trainer(self.command(out), self.reference_env, self.reference / "train.log")
         while trainer.running():
             keep_new_steps(out / "checkpoints", kept)
             time.sleep(0.005)
@@ -315,6 +318,12 @@ class Sweep:
         print(f"  kept the failing run in {target}", flush=True)
 
 
+def with_threads(env: dict, threads: str) -> dict:
+    env = dict(env)
+    env.pop("OMP_NUM_THREADS", None)
+    return env if threads == "unset" else {**env, "OMP_NUM_THREADS": threads}
+
+
 def keep_new_steps(ckpts: Path, kept: Path) -> None:
     """Hard links of each newly committed step folder (retention deletes them later)."""
     for _, folder in checkpoint.committed_steps(ckpts):
@@ -397,6 +406,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--hog", type=int, default=0, metavar="N", help="busy processes beside the trainer")
     parser.add_argument("--threads", default="unset", help="OMP_NUM_THREADS for train.py, or 'unset'")
     parser.add_argument("--config", default=str(ROOT / "config" / "smoke.yaml"))
+    parser.add_argument("--reference-threads", help="OMP_NUM_THREADS for the reference alone (default: "
+                        "--threads); another value shows what a thread count changes")
     parser.add_argument("--set", action="append", default=[], metavar="GROUP.KEY=VALUE")
     parser.add_argument("--tiny", action="store_true", help="a 40-step model (a few seconds a run)")
     parser.add_argument("--keep-dir", default="kill-sweep-failures", help="where failing runs are kept")
@@ -404,8 +415,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--json", help="write the outcomes and the summary here")
     parser.add_argument("--stop-at-first", action="store_true", help="stop after the first run that differs")
     args = parser.parse_args(argv)
-    if args.threads != "unset" and not args.threads.isdigit():
-        parser.error("--threads takes a number or 'unset'")
+    for threads in (args.threads, args.reference_threads):
+        if threads not in (None, "unset") and not threads.isdigit():
+            parser.error("--threads and --reference-threads take a number or 'unset'")
     return args
 
 
@@ -422,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.eval_interval = eval_interval_of(args)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="kill-sweep-"))
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the finally below runs
     hog = Hog(args.hog)
     try:
         sweep = Sweep(args, work)
@@ -431,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = sweep.run()
     finally:
         hog.stop()
+        for trainer in Trainer.started:
+            if trainer.running():
+                trainer.kill(group=True)
     result = summary(outcomes, sweep.unresumed)
     print("summary: " + json.dumps(result), flush=True)
     if args.json:
