@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 
 from podlab import ROOT, TINY_CONFIG, write_corpus
 
@@ -165,6 +166,8 @@ class Trainer:
 
 
 class Sweep:
+    """The reference run, then runs killed and resumed until `--kills` kills were drawn."""
+
     def __init__(self, args, work: Path):
         self.args, self.work = args, work
         self.data = write_corpus(work / "data")
@@ -181,8 +184,6 @@ class Sweep:
     def _config_file(self) -> Path:
         if not self.args.tiny:
             return Path(self.args.config).resolve()
-        import yaml
-
         path = self.work / "tiny.yaml"
         path.write_text(yaml.safe_dump(TINY))
         return path
@@ -199,9 +200,9 @@ class Sweep:
         kept.mkdir(parents=True)
         started = time.monotonic()
         trainer = Trainer(self.command(out), self.reference_env, self.reference / "train.log")
-        while trainer.running():
+        while trainer.running():  # retention keeps `keep` intervals' time: ample for a 20 ms poll
             keep_new_steps(out / "checkpoints", kept)
-            time.sleep(0.005)
+            time.sleep(0.02)
         code = trainer.wait()
         keep_new_steps(out / "checkpoints", kept)
         if code != 0:

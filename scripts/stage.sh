@@ -7,7 +7,7 @@
 # --code DIR   your code folder, recursively (packages, config files, requirements.txt), with the
 #              runtime's checkpoint.py and contract.py beside it unless DIR has its own. Without
 #              --code: this repository's code/, and config/*.yaml as config/. Links are followed.
-# --exclude    a name or relative path (glob) to leave out; __pycache__, *.pyc, .git are left out anyway.
+# --exclude    a name or relative path (glob) to leave out; __pycache__, *.pyc, .git, .venv are left out anyway.
 # --delete     also remove the files an earlier stage.sh put in the prefix that the folder no longer
 #              has (its record: .stage-record.json). Files put there any other way are never deleted.
 # --dry-run    print what would be uploaded and deleted; change nothing.

@@ -5,8 +5,8 @@
     python3 stage_code.py listed LISTING KEY      # exit 0 when LISTING holds KEY
 
 `layout` walks SOURCE (a code folder, recursively, links followed), checks every name and file,
-and copies the result to WORK/layout/ with the runtime's checkpoint.py and contract.py beside it
-(unless SOURCE has its own). `plan` compares it with LISTING (list-objects-v2 JSON of PREFIX) and
+and lists the result in WORK/layout.json (each file's path, size and MD5) with the runtime's
+checkpoint.py and contract.py beside it (unless SOURCE has its own). `plan` compares it with LISTING (list-objects-v2 JSON of PREFIX) and
 RECORD (what an earlier stage.sh staged there) and writes WORK/upload/ (new and changed files, and
 the new record) and WORK/delete.json (a delete-objects request, only with --delete), printing one
 line per file to upload or delete. Bad input: one line on stderr naming the file and the fix, exit
@@ -37,8 +37,9 @@ RUNTIME_MODULES = ("checkpoint.py", "contract.py")
 # data/, out/ (checkpoints: a planted one would be resumed), model/, .pod/, .tmp/, .venv-*.
 POD_FOLDERS = ("data", "out", "model", ".pod", ".tmp")
 POD_FOLDER_GLOBS = (".venv-*",)
-# Never code, and often large: left out silently (counted).
-SKIPPED = ("__pycache__", "*.pyc", ".git", ".DS_Store", ".ipynb_checkpoints")
+# Never code, and often large (a virtualenv: the pod makes its own from requirements.txt): left out.
+SKIPPED = ("__pycache__", "*.pyc", ".git", ".DS_Store", ".ipynb_checkpoints", ".venv", ".mypy_cache",
+           ".pytest_cache", ".ruff_cache")
 # Files that usually hold secrets, which the pod must get from its Secret, never from code.
 SECRET_NAMES = (".env", ".env.*", "*.pem", "*.key", "*.p12", "*.pfx", "id_rsa", "id_dsa", "id_ecdsa",
                 "id_ed25519", ".netrc", ".pgpass", ".git-credentials", ".pypirc", ".npmrc", "credentials",
@@ -173,15 +174,10 @@ def check_keys(layout: Layout, prefix: str) -> None:
                            f"path or the prefix")
 
 
-def write_layout(layout: Layout, into: Path) -> dict[str, dict]:
-    """Copies of the files (links resolved) under `into`, and their sizes and MD5s."""
-    entries = {}
-    for relative, path in layout.files.items():
-        target = into / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, target)
-        entries[relative] = {"size": target.stat().st_size, "md5": file_md5(target)}
-    return entries
+def describe(layout: Layout) -> dict[str, dict]:
+    """Each file's path (links resolved), size and MD5: what plan compares with the prefix."""
+    return {relative: {"path": str(path), "size": path.stat().st_size, "md5": file_md5(path)}
+            for relative, path in layout.files.items()}
 
 
 def file_md5(path: Path) -> str:
@@ -260,7 +256,7 @@ def _is_relative_key(key: str) -> bool:
     return bool(key) and key != RECORD_KEY and all(p not in ("", ".", "..") for p in parts)
 
 
-def write_plan(work: Path, result: Plan, prefix: str, recorded: set[str]) -> None:
+def write_plan(work: Path, result: Plan, local: dict[str, dict], prefix: str, recorded: set[str]) -> None:
     """WORK/upload/ (new and changed files, and the record when it changes: one upload for all),
     WORK/delete.json (only with deletions) and WORK/counts ("staged uploaded deleted kept")."""
     upload = work / "upload"
@@ -268,7 +264,7 @@ def write_plan(work: Path, result: Plan, prefix: str, recorded: set[str]) -> Non
     for relative in result.new + result.changed:
         target = upload / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(work / "layout" / relative, target)
+        shutil.copyfile(local[relative]["path"], target)
     if set(result.record) != recorded:
         (upload / RECORD_KEY).write_text(json.dumps({"format": 1, "files": result.record}, indent=1))
     if result.delete:
@@ -322,7 +318,7 @@ def run_layout(args) -> int:
         raise BadInput(f"{source} holds no .py file; give --code the folder that holds your training script")
     add_runtime(layout, Path(args.runtime), source)
     check_keys(layout, args.prefix)
-    entries = write_layout(layout, work / "layout")
+    entries = describe(layout)
     (work / "layout.json").write_text(json.dumps(entries))
     for warning in layout.warnings:
         print(f"stage.sh: warning: {warning}", file=sys.stderr)
@@ -353,7 +349,7 @@ def run_plan(args) -> int:
     if warning:
         print(f"stage.sh: warning: {warning}", file=sys.stderr)
     result = plan(local, remote, recorded, args.delete)
-    write_plan(work, result, args.prefix, recorded)
+    write_plan(work, result, local, args.prefix, recorded)
     show_plan(result, f"s3://{args.bucket}/{args.prefix}")
     return 0
 

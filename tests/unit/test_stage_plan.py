@@ -5,6 +5,7 @@ may go, what is uploaded, what is deleted (only what an earlier stage.sh put the
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -104,7 +105,7 @@ def test_files_that_only_resemble_secrets_go(name, tmp_path):
     stage_code.check_not_secret(name, name, tmp_path / name)
 
 
-def test_a_folder_is_collected_recursively_following_links_and_skipping_bytecode(tmp_path):
+def test_a_folder_is_collected_recursively_following_links_and_skipping_bytecode_and_a_venv(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "vendored").mkdir(parents=True)
     (elsewhere / "vendored" / "lib.py").write_text("")
@@ -114,10 +115,12 @@ def test_a_folder_is_collected_recursively_following_links_and_skipping_bytecode
     (source / "pkg" / "m.py").write_text("")
     (source / "pkg" / "big.ckpt").write_text("")
     (source / "vendored").symlink_to(elsewhere / "vendored")
+    (source / ".venv" / "bin").mkdir(parents=True)
+    (source / ".venv" / "bin" / "python").symlink_to(sys.executable)  # a binary, were it followed
     layout = stage_code.collect(source, excludes=("pkg/*.ckpt",))
     assert sorted(layout.files) == ["pkg/m.py", "vendored/lib.py"]
     assert layout.files["vendored/lib.py"] == (elsewhere / "vendored" / "lib.py").resolve()
-    assert layout.skipped == 1
+    assert layout.skipped == 2
 
 
 def test_the_runtime_helpers_go_beside_a_trainer_that_has_none(tmp_path):
