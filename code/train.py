@@ -257,6 +257,21 @@ def rng_state(device: torch.device) -> dict:
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
+def arithmetic(device: torch.device) -> dict:
+    """What besides the state decides a step's floating-point result: a resume is bitwise exact only
+    where these are the checkpoint's (one and two OpenMP threads round the same CPU matmul differently)."""
+    return {"torch": str(torch.__version__), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads() if device.type == "cpu" else None,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+
+
+def arithmetic_changes(saved, now: dict) -> list[str]:
+    """'name saved -> now' for each that differs; none for a checkpoint that recorded nothing."""
+    if not isinstance(saved, dict):
+        return []
+    return [f"{key} {saved[key]} -> {now[key]}" for key in now if key in saved and saved[key] != now[key]]
+
+
 def gather_rng_states(rt: Runtime) -> list[dict]:
     """Every process's RNG state (dropout), collected on every rank; rank 0 saves them."""
     state = rng_state(rt.device)
@@ -414,6 +429,10 @@ class Trainer:
             reseed(self.cfg.train.seed, state["step"], self.rt, len(state["rng"]))
         else:
             restore_rng(state["rng"], self.rt)
+        changes = arithmetic_changes(state.get("arithmetic"), arithmetic(self.rt.device))
+        if changes and self.rt.master:
+            log(f"warning: {', '.join(changes)} since {folder.name} was saved: the steps from here will not be "
+                f"bitwise those of an uninterrupted run; resume with what it had (e.g. OMP_NUM_THREADS) for that")
         self.step = state["step"]
         self.best_val_loss = state["best_val_loss"]
         self.best_step = state["best_step"]
@@ -508,6 +527,7 @@ class Trainer:
             "data": {"next_step": self.step + 1, "seed": self.cfg.train.seed},
             "config": self.cfg.to_dict(),
             "world_size": self.rt.world_size,
+            "arithmetic": arithmetic(self.rt.device),
         }
 
     def _write_checkpoint(self, final: Path, rng: list[dict], is_best: bool) -> None:

@@ -1,0 +1,133 @@
+"""scripts/lib/stage_code.py, what stage.sh decides before it uploads anything: which names and files
+may go, what is uploaded, what is deleted (only what an earlier stage.sh put there, only with
+--delete), and a record from S3 read as untrusted."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+import stage_code
+from stage_code import BadInput, plan
+
+MD5 = "0" * 32
+
+
+def local(*names: str, md5: str = MD5) -> dict:
+    return {n: {"size": 1, "md5": md5} for n in names}
+
+
+def remote(*names: str, etag: str = MD5) -> dict:
+    return {n: {"size": 1, "etag": etag} for n in names}
+
+
+def test_a_file_is_unchanged_only_when_its_etag_is_its_md5_and_the_size_matches():
+    result = plan({**local("same.py"), **local("edited.py", md5="1" * 32), **local("new.py"),
+                   "resized.py": {"size": 2, "md5": MD5}, **local("multipart.bin")},
+                  {**remote("same.py", "edited.py", "resized.py"), **remote("multipart.bin", etag=MD5 + "-3")},
+                  recorded=set(), delete=False)
+    assert result.unchanged == ["same.py"] and result.new == ["new.py"]
+    assert result.changed == ["edited.py", "multipart.bin", "resized.py"]
+
+
+@pytest.mark.parametrize("delete", [False, True])
+def test_only_what_an_earlier_staging_put_there_is_ever_deleted_and_only_with_delete(delete):
+    result = plan(local("train.py"), remote("train.py", "old.py", "mine.py", "pkg/mine.py"),
+                  recorded={"train.py", "old.py"}, delete=delete)
+    assert result.delete == (["old.py"] if delete else [])
+    assert result.foreign == ["mine.py", "pkg/mine.py"]
+    assert result.stale == ([] if delete else ["old.py"])
+    # The record keeps naming a stale file until it is deleted, so a later --delete still can.
+    assert result.record == (["train.py"] if delete else ["old.py", "train.py"])
+
+
+def test_the_record_itself_is_neither_kept_nor_deleted():
+    result = plan(local("a.py"), remote("a.py", stage_code.RECORD_KEY), {stage_code.RECORD_KEY}, delete=True)
+    assert result.delete == [] and result.foreign == []
+
+
+@pytest.mark.parametrize("text", [
+    "not json", "[]", '{"format": 2, "files": ["a.py"]}', '{"format": 1, "files": "a.py"}',
+    '{"format": 1, "files": ["../escape.py"]}', '{"format": 1, "files": ["/abs.py"]}',
+    '{"format": 1, "files": ["a//b.py"]}', '{"format": 1, "files": [1]}', "[" * 100000,
+])
+def test_a_record_stage_sh_did_not_write_deletes_nothing(tmp_path, text):
+    path = tmp_path / "record.json"
+    path.write_text(text)
+    recorded, warning = stage_code.read_record(path)
+    assert recorded == set() and "nothing is deleted" in warning
+
+
+def test_a_record_names_the_files_an_earlier_staging_put_there(tmp_path):
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps({"format": 1, "files": ["a.py", "pkg/b.py"]}))
+    assert stage_code.read_record(path) == ({"a.py", "pkg/b.py"}, None)
+    assert stage_code.read_record(tmp_path / "none.json") == (set(), None)
+
+
+def test_the_listing_gives_keys_relative_to_the_prefix(tmp_path):
+    path = tmp_path / "listing.json"
+    path.write_text(json.dumps({"Contents": [
+        {"Key": "code/a.py", "Size": 3, "ETag": f'"{MD5}"'}, {"Key": "code/", "Size": 0, "ETag": '"x"'},
+        {"Key": "code/pkg/b.py", "Size": 4, "ETag": '"y"'}]}))
+    assert stage_code.read_listing(path, "code/") == {"a.py": {"size": 3, "etag": MD5},
+                                                      "pkg/b.py": {"size": 4, "etag": "y"}}
+    (tmp_path / "empty.json").write_text("")
+    assert stage_code.read_listing(tmp_path / "empty.json", "code/") == {}
+
+
+@pytest.mark.parametrize("name,problem", [
+    ("a\tb.py", "control character"), ("pkg/a\\b.py", "backslash"), ("x" * 256 + ".py", "more than 255 bytes"),
+    ("data/train.py", "would land in one"), ("out/x.py", "would land in one"), (".venv-abc/x.py", "would land in one"),
+    (".stage-record.json", "stage.sh's record"),
+])
+def test_names_s3_or_the_pods_work_dir_cannot_hold_are_refused(name, problem):
+    with pytest.raises(BadInput, match=problem):
+        stage_code.check_name(name, name)
+
+
+def test_a_pod_folder_name_deeper_down_is_a_name_like_any_other():
+    stage_code.check_name("mypkg/data/loader.py", "x")
+    stage_code.check_name("mypkg/out.py", "x")
+
+
+@pytest.mark.parametrize("name", [".env", ".env.local", "id_ed25519", "server.PEM", "tls.key", "credentials",
+                                  ".netrc", "prod.kubeconfig"])
+def test_secret_looking_files_are_refused(name, tmp_path):
+    with pytest.raises(BadInput, match="looks like a secret"):
+        stage_code.check_not_secret(f"conf/{name}", name, tmp_path / name)
+
+
+@pytest.mark.parametrize("name", [".env.example", "id_rsa.pub", "keys.py", "credentials.py", "env.py"])
+def test_files_that_only_resemble_secrets_go(name, tmp_path):
+    stage_code.check_not_secret(name, name, tmp_path / name)
+
+
+def test_a_folder_is_collected_recursively_following_links_and_skipping_bytecode_and_a_venv(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "vendored").mkdir(parents=True)
+    (elsewhere / "vendored" / "lib.py").write_text("")
+    source = tmp_path / "src"
+    (source / "pkg" / "__pycache__").mkdir(parents=True)
+    (source / "pkg" / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"")
+    (source / "pkg" / "m.py").write_text("")
+    (source / "pkg" / "big.ckpt").write_text("")
+    (source / "vendored").symlink_to(elsewhere / "vendored")
+    (source / ".venv" / "bin").mkdir(parents=True)
+    (source / ".venv" / "bin" / "python").symlink_to(sys.executable)  # a binary, were it followed
+    layout = stage_code.collect(source, excludes=("pkg/*.ckpt",))
+    assert sorted(layout.files) == ["pkg/m.py", "vendored/lib.py"]
+    assert layout.files["vendored/lib.py"] == (elsewhere / "vendored" / "lib.py").resolve()
+    assert layout.skipped == 2
+
+
+def test_the_runtime_helpers_go_beside_a_trainer_that_has_none(tmp_path):
+    runtime = tmp_path / "job"
+    runtime.mkdir()
+    for name in stage_code.RUNTIME_MODULES:
+        (runtime / name).write_text(f"# the runtime's {name}\n")
+    layout = stage_code.Layout(files={"train.py": tmp_path / "train.py"})
+    stage_code.add_runtime(layout, runtime, tmp_path)
+    assert layout.files["checkpoint.py"] == (runtime / "checkpoint.py").resolve() and not layout.warnings
