@@ -30,7 +30,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-EXIT_BAD_INPUT = 64
+sys.path.append(str(Path(__file__).resolve().parents[2] / "job"))  # after the libraries: job/ names no shadow
+from contract import EXIT_BAD_INPUT  # noqa: E402 - the exit codes' one definition
 RECORD_KEY = ".stage-record.json"
 RUNTIME_MODULES = ("checkpoint.py", "contract.py")
 # The pod syncs the code prefix into WORK_DIR, where these are its own folders (job/script.sh):
