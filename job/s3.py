@@ -144,6 +144,9 @@ def explain(err: BaseException, bucket: str) -> str:
         return f"this boto3 lacks a feature the pod needs ({err}); use boto3>=1.36 (job/requirements.txt)"
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
         return "no space left on the workspace volume; give it more room (emptyDir sizeLimit)"
+    if isinstance(err, OSError) and err.errno == errno.EROFS:
+        return (f"the workspace is read-only ({err.filename or 'WORK_DIR'}), not an S3 fault; "
+                "mount a writable volume (emptyDir) at WORK_DIR")
     if http_status(err) == 501:
         return (f"the S3 store refused {error_code(err)} (501): the run's lease needs conditional writes "
                 "(If-None-Match, If-Match); use a store that has them")

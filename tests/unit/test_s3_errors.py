@@ -42,7 +42,7 @@ PERMANENT = [
     ("store lacks a feature", client_error("NotImplemented", 501), "needs conditional writes"),
     ("no credentials", botocore.exceptions.NoCredentialsError(), "no AWS credentials; create the Secret aws-credentials"),
     ("full disk", OSError(errno.ENOSPC, "No space left on device"), "no space left on the workspace volume"),
-    ("read-only disk", OSError(errno.EROFS, "Read-only file system"), "S3 error OSError"),
+    ("read-only disk", OSError(errno.EROFS, "Read-only file system"), "the workspace is read-only (WORK_DIR), not an S3 fault"),
     ("other 4xx", client_error("InvalidArgument", 400), "S3 error InvalidArgument"),
 ]
 
