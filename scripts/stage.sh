@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Uploads training code to S3 in the layout the pod expects (and, if asked, data and a model).
 #
+# Usage:
 #   scripts/stage.sh S3_CODE_URI [--code DIR] [--exclude GLOB]... [--delete] [--dry-run]
 #                    [--data DIR S3_DATA_URI] [--model DIR S3_MODEL_URI]
 #

@@ -30,7 +30,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-EXIT_BAD_INPUT = 64
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "job"))
+from contract import EXIT_BAD_INPUT  # noqa: E402 - the pod's exit codes, one table
+
 RECORD_KEY = ".stage-record.json"
 RUNTIME_MODULES = ("checkpoint.py", "contract.py")
 # The pod syncs the code prefix into WORK_DIR, where these are its own folders (job/script.sh):
