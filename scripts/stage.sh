@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Uploads training code to S3 in the layout the pod expects (and, if asked, data and a model).
 #
+# Usage:
 #   scripts/stage.sh S3_CODE_URI [--code DIR] [--exclude GLOB]... [--delete] [--dry-run]
 #                    [--data DIR S3_DATA_URI] [--model DIR S3_MODEL_URI]
 #
@@ -42,9 +43,8 @@ need_cmd() { command -v "$1" >/dev/null 2>&1 || die "${EXIT_BAD_INPUT}" "$1 not 
 
 readonly USAGE="scripts/stage.sh S3_CODE_URI [--code DIR] [--exclude GLOB]... [--delete] [--dry-run] [--data DIR S3_DATA_URI] [--model DIR S3_MODEL_URI]"
 
-# --help: the usage line, then the comment at the top of this file.
+# --help: the comment at the top of this file.
 help() {
-  printf 'usage: %s\n\n' "${USAGE}"
   sed -n '2,/^set -o/p' "${BASH_SOURCE[0]}" | sed '$d' | sed -E 's/^# ?//'
 }
 
