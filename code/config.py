@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import typing
 from pathlib import Path
 
@@ -27,6 +28,11 @@ class ConfigError(Exception):
 
 
 PARALLELISMS = ("ddp", "fsdp")
+# Speed settings (code/speed.py applies them); each default is the behaviour before they existed.
+ATTENTION_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+AUTO = "auto"
+IntOrAuto = typing.Union[int, str]  # an integer, or the word auto
 
 
 @dataclasses.dataclass
@@ -38,6 +44,9 @@ class ModelConfig:
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64: faster matmuls
     dropout: float = 0.0
     bias: bool = False
+    # How it is computed, not what it is (a checkpoint resumes under any of these):
+    attention: str = "auto"  # SDPA's kernel: auto lets torch choose; flash, efficient, cudnn, math force one
+    loss_chunk_tokens: int = 0  # 0: the whole logits at once; N: output layer and loss N tokens at a time
 
     def check(self) -> None:
         _require(self.n_layer >= 1, "model.n_layer", "must be at least 1")
@@ -48,6 +57,9 @@ class ModelConfig:
         _require(2 <= self.vocab_size <= 65536, "model.vocab_size",
                  "must be between 2 and 65536 (token ids are stored as uint16)")
         _require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+        _require(self.attention in ATTENTION_BACKENDS, "model.attention",
+                 f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {_show(self.attention)}")
+        _require(self.loss_chunk_tokens >= 0, "model.loss_chunk_tokens", "must be 0 (off) or more")
 
 
 @dataclasses.dataclass
@@ -67,6 +79,10 @@ class TrainConfig:
     # ddp: every process holds the whole model. fsdp: weights, gradients and AdamW state sharded
     # across the processes (FSDP2), checkpoints sharded too (one file per process, DCP).
     parallelism: str = "ddp"
+    # Sequences per forward pass: 0 is batch_size. A multiple of batch_size runs that many of the
+    # same batches in one pass (the same data and, up to rounding, the same step); auto: on a GPU
+    # the largest such multiple a memory probe finds room for (code/speed.py), on a CPU batch_size.
+    micro_batch: IntOrAuto = 0
 
     def check(self) -> None:
         for key in ("batch_size", "grad_accum_steps", "max_steps"):
@@ -82,6 +98,15 @@ class TrainConfig:
         _require(self.grad_clip >= 0, "train.grad_clip", "must be 0 (off) or more")
         _require(self.parallelism in PARALLELISMS, "train.parallelism",
                  f"must be one of {', '.join(PARALLELISMS)}, got {_show(self.parallelism)}")
+        _require(self.micro_batch == AUTO or (self.micro_batch >= 0 and self.micro_batch % self.batch_size == 0),
+                 "train.micro_batch", f"must be 0 (train.batch_size), auto, or a multiple of train.batch_size "
+                 f"({self.batch_size}), got {_show(self.micro_batch)}")
+
+    def micro_multiple(self) -> int | None:
+        """Batches per forward pass when train.micro_batch fixes it; None for auto."""
+        if self.micro_batch == AUTO:
+            return None
+        return max(1, self.micro_batch // self.batch_size)
 
 
 @dataclasses.dataclass
@@ -120,10 +145,20 @@ class SystemConfig:
     dtype: str = "bfloat16"  # autocast dtype on CUDA; CPU always runs float32
     compile: bool = False
     peak_tflops: float = 0.0  # for MFU on GPUs this file does not know; 0: look it up by name
+    compile_mode: str = "default"  # torch.compile's mode (reduce-overhead: CUDA graphs)
+    inductor: str = ""  # torch._inductor.config flags to turn on, comma-separated (coordinate_descent_tuning)
 
     def check(self) -> None:
         _require(self.dtype in ("bfloat16", "float32"), "system.dtype", "must be bfloat16 or float32")
         _require(self.peak_tflops >= 0, "system.peak_tflops", "must be 0 (look up) or more")
+        _require(self.compile_mode in COMPILE_MODES, "system.compile_mode",
+                 f"must be one of {', '.join(COMPILE_MODES)}, got {_show(self.compile_mode)}")
+        _require(all(re.fullmatch(r"[a-z_][a-z0-9_.]*", flag) for flag in self.inductor_flags()),
+                 "system.inductor", f"must be torch._inductor.config flag names separated by commas, got "
+                 f"{_show(self.inductor)}")
+
+    def inductor_flags(self) -> list[str]:
+        return [flag.strip() for flag in self.inductor.split(",") if flag.strip()]
 
 
 class Groups:
@@ -157,11 +192,24 @@ class Config(Groups):
         """Tokens in one optimizer step, all processes together (grad_accum_steps is the total)."""
         return self.train.grad_accum_steps * self.train.batch_size * self.model.block_size
 
+    def check_world_size(self, world_size: int) -> None:
+        super().check_world_size(world_size)
+        multiple = self.train.micro_multiple()
+        local = self.train.grad_accum_steps // world_size
+        _require(multiple is None or local % multiple == 0, "train.micro_batch",
+                 f"({self.train.micro_batch}) must be train.batch_size times a divisor of the micro-steps per "
+                 f"process ({local}: train.grad_accum_steps / {world_size} processes); e.g. "
+                 f"{self.train.batch_size * _largest_divisor(local, multiple or 1)}, or auto")
+
     def check(self) -> None:
         super().check()
         _require(self.eval.interval % self.checkpoint.interval == 0, "eval.interval",
                  f"({self.eval.interval}) must be a multiple of checkpoint.interval "
                  f"({self.checkpoint.interval}), so the best model is a committed checkpoint")
+
+
+def _largest_divisor(number: int, at_most: int) -> int:
+    return max(d for d in range(1, max(1, min(number, at_most)) + 1) if number % d == 0)
 
 
 def load(path: str | Path, overrides: list[str] | tuple = ()) -> Config:
@@ -339,6 +387,10 @@ def _coerce(kind: type, value, key: str):
         if isinstance(value, str):
             return value
         raise ConfigError(f"{key} must be a string, got {_show(value)}")
+    if kind == IntOrAuto:
+        if value == AUTO or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        raise ConfigError(f"{key} must be an integer or auto, got {_show(value)}")
     raise TypeError(f"no coercion for {kind}")
 
 

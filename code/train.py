@@ -75,6 +75,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import checkpoint  # noqa: E402
+import speed  # noqa: E402
 import trainer_kit  # noqa: E402
 from async_save import (AsyncSaver, NoSpace, SaveFailed, folder_bytes, folder_mb, link_best,  # noqa: E402
                         snapshot_bytes, write_step)
@@ -185,16 +186,29 @@ class Batches:
     def train(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._draw("train", ("train", self.seed, step, micro))
 
+    def train_joined(self, step: int, micros: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batches of several micro-steps as one (train.micro_batch): the same sequences."""
+        if len(micros) == 1:
+            return self.train(step, micros[0])
+        pairs = [self._draw_cpu("train", ("train", self.seed, step, micro)) for micro in micros]
+        return self._to_device(torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs]))
+
     def eval(self, split: str, index: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._draw(split, ("eval", self.seed, split, index, rank))
 
     def _draw(self, split: str, key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._to_device(*self._draw_cpu(split, key))
+
+    def _draw_cpu(self, split: str, key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         # A fresh memmap per batch: numpy's memmap otherwise holds every page it ever touched.
         data = np.memmap(self.paths[split], dtype=np.uint16, mode="r")
         generator = torch.Generator().manual_seed(_seed_of(key))
         starts = torch.randint(len(data) - self.block_size, (self.batch_size,), generator=generator)
         x = torch.stack([torch.from_numpy(data[i:i + self.block_size].astype(np.int64)) for i in starts])
         y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + self.block_size].astype(np.int64)) for i in starts])
+        return x, y
+
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.device.type == "cuda":
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x, y
@@ -331,6 +345,7 @@ class Trainer:
         self.start_step: int | None = None  # set once loaded: steps past it were trained here
         self.hashed_by = "trainer"  # who hashed the checkpoint resumed from against its manifest
         self.started = time.monotonic()
+        self.micro_multiple = 1  # batches per forward pass (train.micro_batch), set once built
 
         self.raw_model: GPT | None = None  # built by load(), once it knows whether a checkpoint fills it
         self.optimizer: torch.optim.Optimizer | None = None
@@ -567,7 +582,9 @@ class Trainer:
     def run(self) -> int:
         self.load()
         start_step = self.start_step = self.step
-        model = torch.compile(self.raw_model) if self.cfg.system.compile else self.raw_model
+        speed.check_device(self.cfg, self.rt.device)
+        self.micro_multiple = self._micro_multiple()
+        model = speed.compiled(self.raw_model, self.cfg.system)
         if self.rt.ddp and not self.shards:  # FSDP's model is sharded as it is built (_build)
             model = DDP(model, device_ids=[self.rt.local_rank] if self.rt.device.type == "cuda" else None)
         if self.rt.master:
@@ -602,6 +619,23 @@ class Trainer:
             if self.writer:
                 self.writer.close()
 
+    def _micro_multiple(self) -> int:
+        """train.micro_batch as batches per forward pass; auto probes this GPU (speed.py), and the
+        processes take the smallest any of them found room for."""
+        local_steps = self.cfg.train.grad_accum_steps // self.rt.world_size
+        peak_of = None
+        if self.rt.device.type == "cuda" and not self.shards:  # FSDP's passes are collectives: no probe
+            peak_of = speed.cuda_peak(self.raw_model, self.optimizer, self.autocast, self.rt.device,
+                                      (self.cfg.train.batch_size, self.cfg.model.block_size),
+                                      self.cfg.model.vocab_size)
+        multiple = speed.micro_multiple(self.cfg, self.rt.device, local_steps, peak_of,
+                                        log if self.rt.master else _quiet)
+        if self.rt.ddp and self.cfg.train.micro_multiple() is None:
+            agreed = torch.tensor([multiple])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.rt.cpu_group)
+            multiple = int(agreed.item())
+        return multiple
+
     def _reserve_snapshot(self) -> None:
         """After the first step the optimizer holds its state: the background save's buffer is set
         aside now, its pages touched by a thread, so the first save waits only for the copy."""
@@ -617,16 +651,22 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         local_steps = self.cfg.train.grad_accum_steps // self.rt.world_size
+        # train.micro_batch: `joined` micro-steps' batches in one pass; each pass's mean loss then
+        # weighs as many micro-steps, and the sum is the same step (the same data, other rounding).
+        joined = self.micro_multiple
+        passes = local_steps // joined
         total = torch.zeros((), device=self.rt.device)
-        for i in range(local_steps):
-            x, y = self.batches.train(self.step + 1, self.rt.rank * local_steps + i)
+        for i in range(passes):
+            first = self.rt.rank * local_steps + i * joined
+            x, y = self.batches.train_joined(self.step + 1, range(first, first + joined))
             # DDP averages gradients across processes only on the last micro-step; FSDP reduces
             # them to shards at every one (a whole unsharded gradient would cost the memory it saves).
-            sync = not self.rt.ddp or self.shards is not None or i == local_steps - 1
+            sync = not self.rt.ddp or self.shards is not None or i == passes - 1
             with (contextlib.nullcontext() if sync else model.no_sync()):
+                speed.mark_step(self.cfg.system, self.rt.device)
                 with self.autocast:
                     _, loss = model(x, y)
-                    loss = loss / local_steps
+                    loss = loss / passes
                 loss.backward()
             total += loss.detach()
             self.heartbeat.beat()
@@ -661,6 +701,7 @@ class Trainer:
         total = torch.zeros((), device=self.rt.device)
         for index in range(self.cfg.eval.steps):
             x, y = self.batches.eval("val", index, self.rt.rank)
+            speed.mark_step(self.cfg.system, self.rt.device)
             with self.autocast:
                 _, loss = model(x, y)
             total += loss.float()
