@@ -1,4 +1,4 @@
-"""The bookkeeping of `benchmark.py all`: every key it writes, its unit and aim, and how a measured
+"""The bookkeeping of `benchmark.py all` and `benchmark.py gpu`: every key they write, its unit and aim, and how a measured
 value, the floor measured beside it in the same run, their ratio and the aim become one JSON entry.
 
 Pure: no S3, no subprocess. An aim is (field, op, bound): the field ("value" or "ratio") the bound
@@ -42,6 +42,33 @@ KEYS: dict[str, tuple[str, tuple[str, str, float] | None]] = {
     "fsdp_restore_bytes_per_node": ("bytes", ("ratio", LE, 0.6)),
 }
 
+# `benchmark.py gpu` (lab/bench_gpu.py): on one GPU, or its CPU mode on a tiny model. Aims: issue 27.
+GPU_KEYS: dict[str, tuple[str, tuple[str, str, float] | None]] = {
+    "gpu_trainer_tokens_per_s": ("tokens/s", ("ratio", GE, 0.98)),
+    "gpu_trainer_mfu": ("fraction", ("value", GE, 0.5)),
+    "gpu_bare_tokens_per_s": ("tokens/s", None),
+    "gpu_micro_batch": ("sequences", None),
+    "gpu_micro_batch_peak_bytes": ("bytes", None),
+    "gpu_bare_best_tokens_per_s": ("tokens/s", None),
+    "gpu_trainer_auto_tokens_per_s": ("tokens/s", ("ratio", GE, 0.98)),
+    "gpu_trainer_auto_mfu": ("fraction", ("value", GE, 0.5)),
+    "gpu_checkpoint_stall": ("tokens/s", ("ratio", GE, 0.99)),
+    "gpu_checkpoint_stall_sync": ("tokens/s", None),
+    "gpu_last_save_wait_s": ("s", None),
+    "gpu_sigterm_to_exit_s": ("s", ("value", LE, 5.0)),
+    "gpu_finetune_lora_resume": ("step", ("ratio", GE, 1.0)),
+    "gpu_finetune_full_resume": ("step", ("ratio", GE, 1.0)),
+    "gpu_candidate_loss_chunk": ("tokens/s", None),
+    "gpu_candidate_auto_loss_chunk": ("tokens/s", None),
+    "gpu_candidate_attention_flash": ("tokens/s", None),
+    "gpu_candidate_attention_cudnn": ("tokens/s", None),
+    "gpu_candidate_attention_efficient": ("tokens/s", None),
+    "gpu_candidate_reduce_overhead": ("tokens/s", None),
+    "gpu_candidate_coordinate_descent": ("tokens/s", None),
+    "gpu_candidate_max_autotune": ("tokens/s", None),
+}
+ALL_KEYS = {**KEYS, **GPU_KEYS}
+
 
 def ratio(value, floor) -> float | None:
     if value is None or floor is None or not floor:
@@ -66,7 +93,7 @@ def show_aim(aim: tuple[str, str, float] | None) -> str | None:
 
 def figure(key: str, value, how: str, floor=None, **detail) -> dict:
     """One key's entry: the value, its floor, their ratio and whether the aim is met."""
-    unit, aim = KEYS[key]
+    unit, aim = ALL_KEYS[key]
     entry = {"value": _rounded(value), "unit": unit, "floor": _rounded(floor), "ratio": ratio(value, floor),
              "aim": show_aim(aim), "how": how}
     entry["meets_aim"] = meets(aim, entry)
@@ -86,20 +113,25 @@ def machine(load_at_start: tuple[float, float, float]) -> dict:
 
         torch_version = torch.__version__
     except ImportError:
-        torch_version = None
-    return {"cores": os.cpu_count(), "load_average_at_start": [round(x, 2) for x in load_at_start],
-            "load_average_at_end": [round(x, 2) for x in os.getloadavg()], "torch": torch_version,
-            "python": platform.python_version(), "platform": platform.platform()}
+        torch = torch_version = None
+    found = {"cores": os.cpu_count(), "load_average_at_start": [round(x, 2) for x in load_at_start],
+             "load_average_at_end": [round(x, 2) for x in os.getloadavg()], "torch": torch_version,
+             "python": platform.python_version(), "platform": platform.platform()}
+    if torch is not None and torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(0)
+        found.update(gpu=properties.name, gpu_count=torch.cuda.device_count(), gpu_memory_bytes=properties.total_memory,
+                     cuda=torch.version.cuda)
+    return found
 
 
 def report(figures: dict[str, dict], load_at_start: tuple[float, float, float], started_at: float,
-           seconds: float, quick: bool) -> dict:
-    """The JSON object: every key in KEYS (a missing one says it was not run), the machine, the start."""
-    out = {key: figures.get(key) or unmeasured(key, "not run in this invocation (--only)") for key in KEYS}
+           seconds: float, quick: bool, keys: dict = KEYS, mode: str | None = None) -> dict:
+    """The JSON object: every key in `keys` (a missing one says it was not run), the machine, the start."""
+    out = {key: figures.get(key) or unmeasured(key, "not run in this invocation (--only)") for key in keys}
     out["machine"] = machine(load_at_start)
     out["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started_at))
     out["seconds"] = round(seconds, 1)
-    out["mode"] = "quick" if quick else "full"
+    out["mode"] = mode or ("quick" if quick else "full")
     return out
 
 
@@ -111,10 +143,10 @@ def _rounded(value):
     return round(value, max(3, 3 - math.floor(math.log10(abs(value)))))
 
 
-def table_rows(result: dict, command: str) -> list[str]:
+def table_rows(result: dict, command: str, keys: dict = KEYS) -> list[str]:
     """Markdown rows: figure | value | floor | ratio | aim | meets | command."""
     rows = []
-    for key in KEYS:
+    for key in keys:
         entry = result[key]
         rows.append(f"| `{key}` | {_show(entry['value'])} {entry['unit']} | {_show(entry['floor'])} | "
                     f"{_show(entry['ratio'])} | {entry['aim'] or '-'} | {_show(entry['meets_aim'])} | "

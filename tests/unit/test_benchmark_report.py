@@ -90,6 +90,32 @@ def test_report_has_every_key_of_the_issue_the_machine_and_the_start():
     assert (result["started_at"], result["seconds"], result["mode"]) == ("1970-01-01T00:00:00Z", 12.3, "quick")
 
 
+
+def test_the_gpu_report_has_every_gpu_key_and_none_of_all_s():
+    figures = {"gpu_trainer_tokens_per_s": figure("gpu_trainer_tokens_per_s", 441000.0, "train.py", 448000.0)}
+    result = json.loads(json.dumps(report(figures, (0, 0, 0), 0.0, 1.0, False, keys=bench_report.GPU_KEYS,
+                                          mode="cpu")))
+    assert set(result) == set(bench_report.GPU_KEYS) | {"machine", "started_at", "seconds", "mode"}
+    assert not set(KEYS) & set(bench_report.GPU_KEYS), "one name, one meaning"
+    assert result["mode"] == "cpu"
+    assert result["gpu_trainer_tokens_per_s"]["ratio"] == 0.984
+    assert result["gpu_trainer_tokens_per_s"]["meets_aim"] is True  # the issue's aim: >= 0.98 of the bare loop
+    assert result["gpu_sigterm_to_exit_s"]["value"] is None and "not run" in result["gpu_sigterm_to_exit_s"]["how"]
+
+
+@pytest.mark.parametrize("key, value, floor, expected", [
+    ("gpu_trainer_mfu", 0.386, None, False),  # the first H100 run's MFU, under the issue's 50 %
+    ("gpu_trainer_mfu", 0.51, None, True),
+    ("gpu_checkpoint_stall", 0.973, 1.0, False),
+    ("gpu_sigterm_to_exit_s", 4.73, None, True),
+    ("gpu_sigterm_to_exit_s", 5.2, None, False),
+    ("gpu_finetune_lora_resume", 3, 4, False),  # resumed before the step the stop committed
+    ("gpu_finetune_lora_resume", 4, 4, True),
+])
+def test_the_gpu_keys_carry_the_issues_aims(key, value, floor, expected):
+    assert figure(key, value, "measured", floor)["meets_aim"] is expected
+
+
 def test_table_rows_one_per_key_with_the_command():
     result = report({"upload_vs_s5cmd": figure("upload_vs_s5cmd", 1.2, "upload over s5cmd", 1.0)}, (0, 0, 0), 0.0,
                     1.0, quick=False)
