@@ -16,8 +16,10 @@ def sentences(count: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))) + "." for _ in range(count)]
 
 
-def make_snapshot(folder: Path) -> Path:
-    """A 2-layer Llama with a byte-level BPE tokenizer trained on the test corpus."""
+def make_snapshot(folder: Path, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                  positions: int = 64) -> Path:
+    """A random Llama (2 layers of 32 unless told) with a byte-level BPE tokenizer trained on the
+    test corpus (lab/bench_gpu.py makes a larger one)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -31,8 +33,9 @@ def make_snapshot(folder: Path) -> Path:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", unk_token="<unk>",
                                         pad_token="<pad>")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=positions,
                       attention_dropout=0.1, eos_token_id=tokenizer.eos_token_id,
                       pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     LlamaForCausalLM(cfg).save_pretrained(folder)
