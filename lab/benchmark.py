@@ -14,6 +14,13 @@ s3torchconnector's DCP writer and reader, restore bytes per node). --quick: a 10
 stall model below and a pod of GPT-2 124M's shape. A part that fails leaves its keys null with the
 reason in `how`; the others still run.
 
+    python lab/benchmark.py gpu --json F [--cpu] [--budget S] [--only PART]...  # every GPU figure
+
+gpu: lab/bench_gpu.py's parts (bench_report.GPU_KEYS) on one GPU in at most 8 minutes, or on a tiny
+model on a CPU (--cpu, or no CUDA): tokens/s and MFU of train.py beside a bare loop, the micro-batch
+probe, checkpoint_stall, SIGTERM through torchrun, a bf16 fine-tune that resumes, speed settings.
+No S3, no network: lab/gpu_check.sh runs it on a GPU machine with that machine's own torch.
+
     .venv/bin/python lab/benchmark.py checkpoint        # GPT-2 124M: save, verify, load
     sudo .venv/bin/python lab/benchmark.py restart      # a pod's restart: phases vs. bytes
     .venv/bin/python lab/benchmark.py checkpoint_stall  # tokens/s with checkpoints over without
@@ -38,6 +45,7 @@ that restart with the time `aws s3 cp --recursive` takes to move the same checkp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -389,14 +397,68 @@ def run_all(args) -> int:
     return 0
 
 
+def run_gpu(args) -> int:
+    """`gpu`: lab/bench_gpu.py's parts, each key beside its floor, the JSON rewritten after each part."""
+    import json
+
+    import bench_gpu
+    import bench_report
+
+    cuda = False
+    with contextlib.suppress(ImportError):
+        import torch
+
+        cuda = torch.cuda.is_available()
+    mode = bench_gpu.CPU if args.cpu or not cuda else bench_gpu.GPU
+    budget = args.budget or mode.budget_s
+    load, started_at, started = os.getloadavg(), time.time(), time.monotonic()
+
+    def write(figures: dict) -> dict:
+        result = bench_report.report(figures, load, started_at, time.monotonic() - started, False,
+                                     keys=bench_report.GPU_KEYS, mode=mode.name)
+        result["budget_s"] = budget
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return result
+
+    only = args.only or list(bench_gpu.PARTS)
+    unknown = sorted(set(only) - set(bench_gpu.PARTS))
+    if unknown:
+        print(f"benchmark.py gpu: unknown part {', '.join(unknown)}; the parts are {', '.join(bench_gpu.PARTS)}",
+              file=sys.stderr)
+        return 64
+    print(f"benchmark.py gpu: {mode.name} mode, parts {', '.join(only)}, budget {budget:.0f} s", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-gpu-", dir=os.environ.get("BENCH_DIR")))
+    try:
+        result = write(bench_gpu.measure(mode, work, budget, only, write))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    for key in bench_report.GPU_KEYS:
+        entry = result[key]
+        print(f"{key:<36} {entry['value']!s:>12} {entry['unit']:<9} floor {entry['floor']!s:>12} "
+              f"ratio {entry['ratio']!s:>7} aim {entry['aim'] or '-':<13} meets {entry['meets_aim']!s:<5} "
+              f"{entry['how'] if entry['value'] is None else ''}")
+    print(f"{result['seconds']:.0f} s ({mode.name} mode)" + (f"; runs kept in {work}" if args.keep else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["all", "checkpoint", "restart", "checkpoint_stall"])
-    parser.add_argument("--json", help="all: write the figures here as one JSON object")
+    parser.add_argument("what", choices=["all", "gpu", "checkpoint", "restart", "checkpoint_stall"])
+    parser.add_argument("--json", help="all, gpu: write the figures here as one JSON object")
     parser.add_argument("--quick", action="store_true",
                         help="all: 100 MB transfers, small models, fewer repetitions (minutes, not tens of them)")
-    parser.add_argument("--only", action="append", choices=PARTS, help="all: only this part (repeatable)")
+    parser.add_argument("--only", action="append",
+                        help=f"all: only this part (repeatable): {', '.join(PARTS)}; gpu: one of lab/bench_gpu.py's")
+    parser.add_argument("--cpu", action="store_true", help="gpu: the CPU mode (tiny model) even with a GPU")
+    parser.add_argument("--budget", type=float, help="gpu: seconds; parts not started in time are skipped")
+    parser.add_argument("--keep", action="store_true", help="gpu: keep the runs' folders (their logs: runs.log)")
     args = parser.parse_args(argv)
+    if args.what == "gpu":
+        return run_gpu(args)
+    if args.only and set(args.only) - set(PARTS):
+        parser.error(f"--only takes {', '.join(PARTS)} for all")
     if args.what == "all":
         return run_all(args)
     {"checkpoint": bench_checkpoint, "restart": bench_restart, "checkpoint_stall": bench_checkpoint_stall}[args.what]()
