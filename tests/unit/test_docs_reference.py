@@ -366,8 +366,10 @@ def config_keys(groups_class) -> dict[str, tuple[type, object]]:
 
 
 def documented_value(kind: type, text: str):
-    if kind is bool:
+    if kind is bool or not isinstance(kind, type):  # a union (an integer or auto) reads as YAML reads it
         return yaml.safe_load(text)
+    if kind is str and text == '""':
+        return ""
     return kind(text)
 
 
