@@ -1,0 +1,27 @@
+"""lab/bench_gpu.py's bookkeeping without running a trainer: the JSON is handed over after each
+part (a run cut short keeps what it measured), and a part that fails leaves its own keys null
+with the reason while the next part still runs."""
+
+from __future__ import annotations
+
+import bench_gpu
+from bench_report import GPU_KEYS
+
+
+def test_each_part_hands_over_its_figures_and_a_failure_stays_with_its_part(tmp_path):
+    handed = []
+    # stall and candidates are measured over the trainer part's run: without it both fail at once
+    figures = bench_gpu.measure(bench_gpu.CPU, tmp_path, 60, ["stall", "candidates"],
+                                lambda so_far: handed.append(dict(so_far)))
+    assert set(handed[0]) == set(bench_gpu.PART_KEYS["stall"]), "written after the first part, before the second"
+    assert set(handed[-1]) == set(bench_gpu.PART_KEYS["stall"]) | set(bench_gpu.PART_KEYS["candidates"])
+    for part in ("stall", "candidates"):
+        for key in bench_gpu.PART_KEYS[part]:
+            assert figures[key]["value"] is None
+            assert figures[key]["how"].startswith(f"{part} failed: RuntimeError: needs the trainer part's run"), key
+
+
+def test_every_part_key_is_a_gpu_key_and_every_gpu_key_has_a_part():
+    keys = [key for part in bench_gpu.PARTS for key in bench_gpu.PART_KEYS[part]]
+    assert sorted(keys) == sorted(GPU_KEYS) and len(keys) == len(set(keys))
+    assert set(bench_gpu.PARTS) == set(bench_gpu.PART_KEYS) == set(bench_gpu.PART_MIN_S)
