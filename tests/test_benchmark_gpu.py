@@ -47,7 +47,8 @@ def test_gpu_check_dry_path_runs_every_part_and_measures_what_a_cpu_can(tmp_path
                                                   figures[key]["how"]), (key, figures[key]["how"])
     sigterm = figures["gpu_sigterm_to_exit_s"]
     assert sigterm["value"] > 0 and sigterm["floor"] > 0, sigterm["how"]
-    assert sigterm["detail"]["stopped_at"] == sigterm["detail"]["resumed_at"] == 4, "stopped at the 4th step"
+    # SIGTERM comes at the 4th step's event; the step in flight by then is the one committed
+    assert sigterm["detail"]["stopped_at"] == sigterm["detail"]["resumed_at"] >= 4, sigterm["detail"]
     finetune = figures["gpu_finetune_lora_resume"]
     assert finetune["value"] == finetune["floor"] and finetune["value"] is not None, finetune["how"]
     assert finetune["detail"]["final"] == 6 and finetune["detail"]["exit_codes"] == [143, 0], finetune
