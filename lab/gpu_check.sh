@@ -64,7 +64,7 @@ install_carried_wheels() {
 
 describe_machine() {
   local python="$1"
-  nvidia-smi 2>&1 || echo "no nvidia-smi"
+  if command -v nvidia-smi >/dev/null; then nvidia-smi 2>&1 || true; else echo "no nvidia-smi"; fi
   "${python}" - <<'EOF' 2>&1 || true
 import importlib.metadata, sys
 print("python", sys.version.split()[0], sys.executable)
