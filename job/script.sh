@@ -107,19 +107,11 @@ PYTHON=python3
 STARTED_MS=$(date +%s%3N)
 POD_TOKEN=${RANDOM}${RANDOM}-${STARTED_MS}  # this pod, to node 0: a replacement of a node has another
 
-# One line whatever it quotes (the AWS CLI's last line, a setting): a control character from S3 or
-# the network becomes '?', so none starts a line of its own (a forged EVENT) or redraws a terminal.
-log() {
-  local line="$*"
-  printf '%s script: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${line//[[:cntrl:]]/?}"
-}
-warn() { log "warning: $*" >&2; }
-die() {
-  local code=$1; shift
-  log "error: $*" >&2
-  remember_error "$*"
-  exit "${code}"
-}
+# log, warn, die: one line each whatever they quote (lib.sh); die also leaves its line for status.json.
+LOG_NAME=script
+DIE_HOOK=remember_error
+# shellcheck source=job/lib.sh
+source "${JOB_DIR}/lib.sh"
 # The pod's last error line, for status.json (uploader.py final): one line, credentials hidden.
 remember_error() {
   [[ -n "${STATE_DIR:-}" && -d "${STATE_DIR}" ]] || return 0
