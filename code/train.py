@@ -8,20 +8,13 @@ Override single settings with --set group.key=value (e.g. --set train.max_steps=
 Check the config and the arguments alone, in a second, without torch or data (the pod does it first):
     python train.py --check --config config/conf.yaml --data_dir DATA --output_dir OUT [--set ...]
 
-Resume policy: the command is the same on the first start and on every restart; what is in
-OUTPUT_DIR/checkpoints decides. The newest checkpoint that verifies against its manifest is loaded
-(a bad one is skipped with a warning that names it); none means a fresh start. Batches are drawn
-from generators seeded by (seed, step, micro-step), and every process's RNG state is saved, so a
-resumed run ends bitwise equal to an uninterrupted one on CPU.
-
-SIGTERM or SIGINT: the current optimizer step finishes, a checkpoint of it is committed, and the
-process exits 143 (130 for SIGINT). Exit code 64 means bad input: the config, the data, or a
-checkpoint of another model shape. A retry will not fix it. Exit code 1 with one line: a checkpoint
-save failed (with checkpoint.async_save, training waits only for a copy of its state while a
-background process commits it; see async_save.py).
-
-Writes under OUTPUT_DIR: checkpoints/step-NNNNNNNN/ and checkpoints/best/, tensorboard/,
-progress.json (what the pod runtime reports). Touches $HEALTH_FILE while steps complete.
+Resume policy: the same command on every start; the newest checkpoint in OUTPUT_DIR/checkpoints
+that verifies decides (a bad one is skipped with a warning; none: a fresh start). Batches come from
+generators seeded by (seed, step, micro-step) and every process's RNG state is saved, so a resumed
+run ends bitwise equal to an uninterrupted one on CPU. SIGTERM/SIGINT: the step finishes and is
+committed, exit 143 (130). Exit 64: bad input (the config, the data, a checkpoint of another model
+shape); 1 with one line: a save failed. Writes checkpoints/, tensorboard/ and progress.json under
+OUTPUT_DIR; touches $HEALTH_FILE while steps complete.
 """
 
 from __future__ import annotations

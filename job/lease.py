@@ -1,34 +1,16 @@
 """One writer per S3_OUTPUT_URI: a lease object in S3 with a heartbeat and an expiry.
 
-A Kubernetes Job may run the same pod twice (and a pod cut off from the API server keeps running).
-Two pods writing one prefix would overwrite each other's checkpoints, so every writer first takes
-`lease.json` with a conditional PUT (If-None-Match: * to create, If-Match: <etag> to renew or to take
-over an expired one); S3 lets exactly one of two racing writers win. Expiry is judged on S3's clock
-(the object's LastModified against the response's Date), so pods' clock skew does not matter. A
-Date that is not one aware time (two Date headers joined by a proxy, a naive or garbled one) gives
-its first HTTP date, or else this pod's clock, as an answer with no Date does.
-
-The holder renews every ttl/3 from a thread. A holder that cannot prove its lease is fresh writes
-nothing; one whose renewal is refused (412) has lost it and stops. "Fresh" means its last renewal
-was sent at most ttl/2 ago, so another pod can take it over no sooner than ttl/2 after any check.
-The uploader checks before each write request it sends (botocore's retries and multipart parts
-included) and every ~256 KB of a body, so one of its writes lands after a takeover only if S3
-applies it more than ttl/2 after its last check (a stalled request, a frozen pod).
-
-Some S3-compatible stores ignore If-None-Match / If-Match on PUT: there both racing pods would
-win. So every acquire proves the store refuses what it must (two conditional PUTs of the lease it
-just took, which must fail with 412) and stops with exit 64 otherwise.
-
-COMPLETE ends the run (exit 3) only when it is one this run may trust (checkpoint.complete_problem):
-with CHECKPOINT_HMAC_KEY set, signed for this run. Another object there is said once and ignored:
-the pod goes on (the trainer resumes from the newest checkpoint, at its last step if the run was
-finished) and its final upload writes a signed COMPLETE over it. S3_LEASE=off runs without a
-lease at all (the state file says so; the uploader then checks nothing): one pod per prefix is then
-the operator's business.
-
     python lease.py acquire S3_OUTPUT_URI STATE_FILE   # waits while another live pod holds it
     exit 0: held (token in STATE_FILE; or S3_LEASE=off), 3: the run is already COMPLETE (S3_LEASE=off:
     checked only with CHECKPOINT_HMAC_KEY set, script.sh checks it otherwise), 64/75: errors
+
+A Kubernetes Job may run the same pod twice, and two pods writing one prefix would overwrite each
+other's checkpoints. So every writer first takes `lease.json` with a conditional PUT (If-None-Match
+to create, If-Match to renew or take over an expired one): S3 lets one of two racing writers win.
+Expiry is judged on S3's clock, so pods' clock skew does not matter. The holder renews every ttl/3
+from a thread (Keeper) and writes only while its last renewal is at most ttl/2 old; every acquire
+proves the store refuses what it must (exit 64 otherwise). COMPLETE ends the run only when this run
+may trust it (signed, with CHECKPOINT_HMAC_KEY). docs/reliability.md has the rules and why.
 
 Environment: LEASE_TTL_SECONDS (30, at least 3), LEASE_WAIT_SECONDS (3000), S3_LEASE (on|off).
 """
