@@ -73,12 +73,17 @@ def answer_mac(key: bytes, client_nonce: str, body: bytes) -> str:
     return hmac.new(key, b"group-answer\n" + client_nonce.encode() + b"\n" + body, hashlib.sha256).hexdigest()
 
 
+class OtherRun(str):
+    """Why node 0's answer cannot be used, when no retry will help: it serves another run (the pods'
+    settings differ). A type, so the caller decides by it, not by the text."""
+
+
 def state_problem(state, run: str) -> str | None:
     """None when node 0's answer can be acted on, else why not (a different run is bad input)."""
     if not isinstance(state, dict) or state.get("state") not in STATES:
         return "not a group state"
     if state.get("run") != run:
-        return f"node 0 serves run {str(state.get('run'))[:200]!a}, this pod's S3_OUTPUT_URI is {run!a}"
+        return OtherRun(f"node 0 serves run {str(state.get('run'))[:200]!a}, this pod's S3_OUTPUT_URI is {run!a}")
     step = state.get("step")
     if state["state"] == "restored" and step is not None and (
             not checkpoint.is_file_name(step) or checkpoint.parse_step(step) is None):
@@ -252,7 +257,7 @@ def wait(asker: Asker, run: str, seconds: float) -> int:
             if state["state"] == "complete":
                 return contract.EXIT_COMPLETE_FOUND
             deadline = time.monotonic() + seconds  # "waiting": node 0 is alive, waiting for the lease
-        elif problem.startswith("node 0 serves run"):
+        elif isinstance(problem, OtherRun):
             print(f"{problem}; give every pod of the group the same settings (scripts/submit.py does)",
                   file=sys.stderr)
             return contract.EXIT_BAD_INPUT
