@@ -1,34 +1,22 @@
 """Checkpoints committed by a background process: training waits only for a copy of its state.
 
     saver = AsyncSaver(device, log)
+    saver.reserve(nbytes)  # after the first step: the buffer's pages touched off the training loop
     saver.submit(root, name, model_state, state, meta, best, keep)  # blocks for the snapshot only
     saver.poll()     # each step: logs a finished save, raises SaveFailed if the save process failed
     saver.wait()     # until the save in flight is committed (SIGTERM, the last step)
     saver.close()
 
-submit() copies every tensor of the state into CPU buffers that the save process shares (pinned on
-CUDA, so the copy runs at PCIe speed), and returns. The save process serializes, hashes, fsyncs and
-commits with write_step(), the same function the synchronous path runs: files, manifest last,
-rename (job/checkpoint.py), then best/ is linked to the committed model.pt, then old steps are
-pruned. One process does all three in that order, one save at a time, so prune never removes a
-folder that a save in flight links from and best/ only ever points at committed files.
+submit() copies every tensor into CPU buffers the save process shares (pinned on CUDA). That
+process runs write_step(), as the synchronous path does: files, manifest last, rename, best/ linked,
+old steps pruned; one save at a time, so prune never removes what a save links from. A second
+submit() waits for the first rather than hold a second copy. The save process dies with the trainer
+(PR_SET_PDEATHSIG): a SIGKILLed trainer leaves a staging folder, never a committed step.
 
-Why a process, not a thread: torch.save and the writes hold the GIL for much of a save, which a
-thread would take from the training loop. Why spawn, not fork: fork copies a process whose torch
-thread pools and gloo threads may hold locks that no thread in the child will ever release.
-Why memfd, not /dev/shm (torch's share_memory_()): /dev/shm of a Kubernetes container is 64 MiB
-unless a memory emptyDir is mounted there, while a memfd is plain memory of the pod; it is handed
-to the save process over the socket (SCM_RIGHTS) and freed once both processes let go of it.
-
-The buffer's pages cost time when first touched (about 1 s a GB here, a fault per page), and a
-save that touches them holds training meanwhile. So the trainer calls reserve(bytes) after its first
-step: a thread allocates the buffer and touches every page (torch's fill releases the GIL), and the
-first submit() takes that buffer when the state fits, paying only the copy (0.1 s a GB here; on
-CUDA the page-locking of the buffer still happens at the first save).
-
-At most one save is in flight: a second submit() waits for the first (and logs how long), rather
-than holding a second copy of the state. The save process dies with the trainer (PR_SET_PDEATHSIG):
-a SIGKILLed trainer leaves a staging folder, never a committed step, and no writer behind it.
+Why a process: torch.save holds the GIL, which a thread would take from training. Why spawn: fork
+copies torch's and gloo's thread locks, which no thread in the child would release. Why a memfd:
+a container's /dev/shm is 64 MiB unless a memory emptyDir is mounted there; a memfd is plain pod
+memory, handed over the socket (SCM_RIGHTS). docs/performance.md has what the copy costs.
 """
 
 from __future__ import annotations

@@ -7,35 +7,13 @@ The change to an existing Trainer script (after `trainer = Trainer(...)`):
     trainer.train(resume_from_checkpoint=resume.checkpoint())   # newest committed one, or None
     sys.exit(resume.exit_code())                                # 143 after SIGTERM, 130 after SIGINT
 
-What it does, with transformers' own callback API (and trainer.train wrapped for one case):
-
-- After each save the Trainer's `checkpoint-N/` becomes `OUTPUT_DIR/checkpoints/step-N/`, committed
-  with checkpoint.py's protocol (files fsynced, `manifest.json` with every file's size and sha256
-  written last, then renamed into place). The files are *renamed* into the staging folder, not copied
-  and not hard-linked: no second copy on disk, no second write, and no shared inode. The Trainer
-  saves into the same `checkpoint-N/` again when it saves a step twice (`save_strategy="epoch"` at
-  the last step, a user's own `trainer.save_state()` ...), and `torch.save` (optimizer.pt,
-  scheduler.pt, rng_state.pth) truncates an existing file in place: through a hard link that rewrites
-  the committed file under its manifest. The emptied `checkpoint-N/` is removed, so `save_total_limit`
-  has nothing of ours to rotate; retention is `checkpoint.prune(keep)`.
-- A save under FSDP (accelerate's sharded state dict) holds folders, `pytorch_model_fsdp_0/` and
-  `optimizer_0/` (every rank's DCP shards): a checkpoint holds plain file names only, so each file
-  of a folder is committed as `FOLDER~NAME`, the manifest's meta "nested" maps it back, and the
-  resume hands the Trainer a view of the folder as it saved it (hard links, `.staging-resume-*`).
-- `checkpoint()` picks the newest checkpoint that verifies against its manifest; torn ones (a
-  `checkpoint-N/` killed mid-save, a staging folder, a step folder without manifest or with damaged
-  files) are never resumed from: they are removed with a warning that names them.
-- SIGTERM/SIGINT: the step in progress finishes, every process agrees to stop there (a max over the
-  signals seen by all ranks, each step), that step is saved and committed once, training stops.
-  transformers 5.23 has `enable_jit_checkpoint`, but it waits 3 s after SIGTERM, saves inside a step
-  (before the optimizer step, after that step's batches and RNG draws), calls no `on_save` (so no
-  commit), lets ranks disagree about the step and ignores SIGINT; it is switched off here.
-- Each step touches `$HEALTH_FILE`; `OUTPUT_DIR/progress.json` (what the pod reports) and TensorBoard
-  events under `OUTPUT_DIR/tensorboard` (what the pod uploads) are written on rank 0.
-- A restored checkpoint at (or past) the last step is a finished run: trainer.train() returns
-  before its first step (the Trainer would train one past the last), nothing is trained or saved.
-- Rank 0 prints the trainer's events (job/contract.py: resumed, step, checkpoint, stopped, done), as
-  train.py does: what tools wait on, beside the lines people read.
+With transformers' own callback API: each save's `checkpoint-N/` is renamed (never copied, never
+hard-linked: torch.save rewrites files in place) into `checkpoints/step-N/` and committed with
+checkpoint.py's protocol; an FSDP save's folders go flat as `FOLDER~NAME`. checkpoint() resumes
+from the newest step that verifies and removes torn ones. SIGTERM/SIGINT: every rank agrees on the
+step to stop at, it is saved and committed once (transformers' enable_jit_checkpoint, which saves
+mid-step, is switched off). Rank 0 writes progress.json, TensorBoard events and the trainer's
+events, as train.py does. docs/own-trainer.md has each rule and why.
 """
 
 from __future__ import annotations

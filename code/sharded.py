@@ -6,23 +6,15 @@ the protocol every checkpoint follows (checkpoint.py: files first, manifest last
     shards.save(final, model, optimizer, train_state, meta, best, keep)  # a collective
     train_state = shards.load(folder, model, optimizer)                  # a collective
 
-A checkpoint step-N/ holds DCP's files, .metadata (its index) and __R_0.distcp (rank R's shards
-of the weights and of AdamW's moments, written by rank R), train_state.pt (all that is not
-sharded: every rank's RNG state, the optimizer's step counts and settings, the step, the losses;
-rank 0 writes it) and manifest.json: rank 0 writes it last, once every rank's files are in the
-staging folder with their sha256, then renames the folder into place. A rank whose disk is not
-rank 0's (another node of a group) sends its files to rank 0 over the process group: node 0
-alone uploads. DCP reshards on load, so N processes resume what M saved.
-
-The manifest's meta "shards" lists, per rank, the files that rank reads at the same world size
-(DCP's load planner over the metadata just written): a node of a group fetches only its ranks'
-(job/restore.py --ranks). A rank that lacks a file it needs (ranks not ordered by node) is sent
-it by a peer before the load.
-
-With a saver, save() returns once this rank's shards are copied into its save process's buffer;
-the save processes write and commit together over a gloo group of their own, reached through
-torchrun's store. DCP's .metadata is a pickle: it is read with an unpickler that knows DCP's
-metadata classes and nothing else, as torch.load(weights_only=True) reads the tensors.
+step-N/ holds DCP's .metadata and __R_0.distcp (rank R's shards of the weights and AdamW's
+moments), train_state.pt (all that is not sharded, from rank 0) and manifest.json, which rank 0
+writes last once every rank's files are staged with their sha256; a rank on another node sends its
+files to rank 0 (node 0 alone uploads). DCP reshards on load, so N processes resume what M saved.
+The manifest's meta "shards" lists the files each rank reads, so a node of a group fetches only its
+ranks' (restore.py --ranks); a file a rank lacks is sent by a peer before the load. With a saver,
+save() returns once this rank's shards are copied; the save processes commit together over a gloo
+group of their own. DCP's .metadata is a pickle: read by an unpickler that knows DCP's metadata
+classes and nothing else. docs/fsdp.md has the details.
 """
 
 from __future__ import annotations

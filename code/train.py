@@ -8,20 +8,13 @@ Override single settings with --set group.key=value (e.g. --set train.max_steps=
 Check the config and the arguments alone, in a second, without torch or data (the pod does it first):
     python train.py --check --config config/conf.yaml --data_dir DATA --output_dir OUT [--set ...]
 
-Resume policy: the command is the same on the first start and on every restart; what is in
-OUTPUT_DIR/checkpoints decides. The newest checkpoint that verifies against its manifest is loaded
-(a bad one is skipped with a warning that names it); none means a fresh start. Batches are drawn
-from generators seeded by (seed, step, micro-step), and every process's RNG state is saved, so a
-resumed run ends bitwise equal to an uninterrupted one on CPU.
-
-SIGTERM or SIGINT: the current optimizer step finishes, a checkpoint of it is committed, and the
-process exits 143 (130 for SIGINT). Exit code 64 means bad input: the config, the data, or a
-checkpoint of another model shape. A retry will not fix it. Exit code 1 with one line: a checkpoint
-save failed (with checkpoint.async_save, training waits only for a copy of its state while a
-background process commits it; see async_save.py).
-
-Writes under OUTPUT_DIR: checkpoints/step-NNNNNNNN/ and checkpoints/best/, tensorboard/,
-progress.json (what the pod runtime reports). Touches $HEALTH_FILE while steps complete.
+Resume policy: the same command on every start; the newest checkpoint in OUTPUT_DIR/checkpoints
+that verifies decides (a bad one is skipped with a warning; none: a fresh start). Batches come from
+generators seeded by (seed, step, micro-step) and every process's RNG state is saved, so a resumed
+run ends bitwise equal to an uninterrupted one on CPU. SIGTERM/SIGINT: the step finishes and is
+committed, exit 143 (130). Exit 64: bad input (the config, the data, a checkpoint of another model
+shape); 1 with one line: a save failed. Writes checkpoints/, tensorboard/ and progress.json under
+OUTPUT_DIR; touches $HEALTH_FILE while steps complete.
 """
 
 from __future__ import annotations
@@ -603,11 +596,11 @@ class Trainer:
                 self.heartbeat.beat()
                 if self.step == start_step + 1:
                     self._reserve_snapshot()
-                meter.after_step(loss)
+                self._keep(meter.after_step(loss))
                 paused = time.monotonic()
                 self._evaluate_and_save(model)
                 self.check_saves()
-                meter.since += time.monotonic() - paused  # speed is of training steps alone
+                meter.pause(time.monotonic() - paused)
                 signum = self.stop.agreed(self.rt.cpu_group)
                 if signum:
                     return self._stop_for(signum)
@@ -645,6 +638,14 @@ class Trainer:
         elif self.saver and self.rt.master:
             state = {"model": self.raw_model.state_dict(), "state": {"optimizer": self.optimizer.state_dict()}}
             self.saver.reserve(snapshot_bytes(state) + SNAPSHOT_SLACK)
+
+    def _keep(self, measured: tuple[float, dict | None] | None) -> None:
+        """What the meter measured on a logging step: the loss for every rank, the speed on rank 0."""
+        if measured is None:
+            return
+        self.train_loss, speed = measured
+        if speed is not None:
+            self.speed = speed
 
     def _train_step(self, model) -> torch.Tensor:
         lr = lr_at(self.step + 1, self.cfg.train)
@@ -758,7 +759,8 @@ class Trainer:
 
 
 class Meter:
-    """Step timing, tokens/s, MFU and ETA, logged every log.interval steps."""
+    """Step timing, tokens/s, MFU and ETA, logged every log.interval steps. It reads the trainer and
+    writes none of its fields: after_step returns what it measured, for the trainer to keep."""
 
     def __init__(self, trainer: Trainer, start_step: int):
         self.t = trainer
@@ -769,19 +771,23 @@ class Meter:
         self.since = time.monotonic()
         self.steps = 0
 
-    def after_step(self, loss: torch.Tensor) -> None:
+    def pause(self, seconds: float) -> None:
+        """Leave out time spent off training steps (evaluation, saves): speed is of steps alone."""
+        self.since += seconds
+
+    def after_step(self, loss: torch.Tensor) -> tuple[float, dict | None] | None:
+        """(the mean loss, the speed on rank 0, None elsewhere) on a logging step; None otherwise."""
         self.steps += 1
         step = self.t.step
         if step % self.t.cfg.log.interval and step != self.t.cfg.train.max_steps:
-            return
+            return None
         loss_value = self.t.rt.mean(loss)  # .item() waits for the GPU, so the timing below is real
         elapsed = time.monotonic() - self.since
         ms_per_step = 1000 * elapsed / self.steps
         tokens_per_sec = self.t.cfg.tokens_per_step * self.steps / elapsed
         self.since, self.steps = time.monotonic(), 0
-        self.t.train_loss = loss_value
         if not self.t.rt.master:
-            return
+            return loss_value, None
         eta = (self.t.cfg.train.max_steps - step) * ms_per_step / 1000
         lr = self.t.optimizer.param_groups[0]["lr"]
         line = (f"step {step}/{self.t.cfg.train.max_steps} | loss {loss_value:.4f} | lr {lr:.2e} | "
@@ -796,10 +802,10 @@ class Meter:
         event("step", step=step, max_steps=self.t.cfg.train.max_steps, loss=trainer_kit.finite(loss_value),
               ms_per_step=ms_per_step, tokens_per_s=tokens_per_sec,
               **({"mfu": speed["mfu"]} if "mfu" in speed else {}))
-        self.t.speed = speed
         self.t.writer.add_scalar("train/loss", loss_value, step)
         self.t.writer.add_scalar("lr", lr, step)
         self.t.writer.add_scalar("tokens_per_sec", tokens_per_sec, step)
+        return loss_value, speed
 
 
 def peak_flops(device: torch.device, override_tflops: float, dtype: str = "bfloat16") -> float:

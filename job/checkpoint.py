@@ -1,35 +1,22 @@
-"""Checkpoint folders that count only once they are whole.
-
-The protocol, for any trainer (this module needs only the standard library):
+"""Checkpoint folders that count only once they are whole (standard library only, for any trainer).
 
     with checkpoint.stage(root / checkpoint.step_dir_name(step)) as staged:
         with staged.open("model.pt") as f:
             torch.save(model.state_dict(), f)
         staged.commit(meta={"step": step})
 
-Files are written into a hidden staging folder next to the target, fsynced, then `manifest.json`
-(every file's size and sha256, plus `meta`) is written last and the folder is renamed into place.
-A folder without a manifest, or whose files do not match it, is not a checkpoint: a crash at any
-moment leaves either the previous state or a whole new checkpoint.
-
-A checkpoint written by several processes (train.py under FSDP: every rank its own shard files)
-adopts one staging folder: Staged(final, path=folder) takes the folder others wrote into,
-add_written() records each file with the size and sha256 its writer measured, commit() as above.
-
     newest_valid(root)   the newest step folder that verifies, skipping (and reporting) bad ones;
-                         with verified=read_verified(os.environ.get("RESTORE_VERIFIED_FILE")), the
+                         verified=read_verified(os.environ.get("RESTORE_VERIFIED_FILE")): the
                          folder the pod's restore just hashed is checked by size only
     prune(root, keep)    keep the newest `keep` committed step folders, never the newest one
 
-The pod runtime uploads a folder's files first and `manifest.json` last, so S3 obeys the same rule.
-
-A manifest may come from a bucket someone else can write, so every reader holds it to one rule
-(manifest_problem): plain file names only (never a path), sizes and sha256 of the right types, a
-format this module knows. With CHECKPOINT_HMAC_KEY set, commit() signs the manifest together with
-the folder it is committed as and the run (S3_OUTPUT_URI, what stays the same across restarts and
-pods), and a manifest counts only with a valid signature for the folder it is read from and this
-run: a signed step copied under another name, or from another run, is damaged. COMPLETE is signed
-and judged the same way (signed_complete, complete_problem).
+Files go into a hidden staging folder, fsynced; manifest.json (each file's size and sha256, and
+`meta`) is written last and the folder renamed into place, so a crash leaves the previous state or
+a whole new checkpoint; the pod uploads manifest.json last too. Several processes may write one
+(FSDP shards: Staged(final, path=folder), add_written()). A manifest may come from a bucket others
+can write: every reader holds it to manifest_problem's rule, and with CHECKPOINT_HMAC_KEY set it
+counts only signed for its folder and this run (COMPLETE alike: signed_complete, complete_problem).
+docs/own-trainer.md and docs/security.md have the details.
 """
 
 from __future__ import annotations

@@ -6,42 +6,15 @@
     python3 group.py finish HOST:PORT RUN SECONDS NODE POD  # node k > 0, trained: until node 0 wrote COMPLETE
 
 Node 0 alone holds the run's lease, so only it knows when nothing else writes the run any more
-and which committed step is the newest then. The others must take that step and no other: one a
-step newer (a dying pod's final upload landing meanwhile) or older would leave the processes of
-one group loading different weights. So node 0 says its choice, and a node k asks node 0 for it
-directly, over HTTP on the rendezvous port + 1: the answer comes from the pod that holds the lease
-now, never from an object an earlier group left in S3.
+and which committed step is the newest then; every node must load that step and no other. So a
+node k asks node 0 directly, over HTTP on the rendezvous port + 1, never an object an earlier
+group left in S3. Questions and answers are signed with GROUP_SECRET (HMAC-SHA256 over both sides'
+nonces); anything else gets 401 and changes nothing. One answer per node rank: a second pod of a
+rank is a replacement, which tells node 0 its group is gone (STATE_FILE.broken: script.sh exits 138).
 
-Only the group's pods may ask, and only node 0 may answer: each request carries an HMAC-SHA256 of
-what it asks, keyed with GROUP_SECRET (a Secret scripts/submit.py makes per run; read from the
-environment, never an argument), over node 0's nonce (a request of an earlier group replayed to a
-new node 0 does not pass) and the asker's own nonce, which node 0's answer is signed over in turn.
-Without GROUP_SECRET the key is derived from CHECKPOINT_HMAC_KEY and the run; with neither, exit
-64. Node 0 answers a request that does not pass, or asks for a node outside 1..NNODES-1 or with a
-pod token that is not 1-64 letters, digits or '-', with 401 and nothing else: no state changes.
-
-State (node 0's STATE_FILE): {"run": S3_OUTPUT_URI, "state": "waiting" (for the lease), "restored"
-(with "step": the checkpoint folder's name, null for step 0) or "complete"}.
-
-One group, one answer: node 0 gives its choice to one pod per node rank (NODE, and POD: a token
-each pod draws at its start). A second pod of that rank is a replacement: its group is gone, this
-node 0 only has yet to notice (its collective fails within seconds) and may still be uploading a
-newer step. Told "waiting", the new pod asks again until the next node 0 answers. And this node 0
-learns from it that its group is gone: the server touches STATE_FILE.broken, and script.sh stops
-the trainer (exit 138), which would otherwise wait out the rendezvous's timeout for a pod that died
-between its answer and its torchrun.
-
-`wait` exit codes: 0 (the step's name printed, an empty line for step 0), 3 (node 0 found the run
-COMPLETE), 64 (node 0 serves another run: the pods' settings differ; or no secret), 75 (node 0 did
-not answer for SECONDS, or refused this pod's secret; a node 0 that answers "waiting" is alive and
-waits for the lease, so that counts as an answer). What node 0 says is checked like anything from
-the network: a step name must be one.
-
-`finish`: a node whose trainer ended well must not end before node 0 has put the last step in S3
-and written COMPLETE. Were it to exit 0 first and node 0 then die in its final upload, the Job
-would replace node 0 alone (that index has not succeeded), and a group of one could never meet
-again. Exit 0 once node 0 says "complete"; 138 (the group restarts) when node 0 is unreachable for
-SECONDS or answers as a new pod would ("waiting"): it died meanwhile.
+`wait` exits 0 (the step's name printed, an empty line for step 0), 3 (COMPLETE), 64 (node 0 serves
+another run, or no secret), 75 (no answer for SECONDS); `finish` exits 0 once node 0 says
+"complete", 138 when it goes silent. docs/multi-node.md has the whole protocol and why.
 
 Standard library only: the image's python3 runs it.
 """
@@ -100,12 +73,17 @@ def answer_mac(key: bytes, client_nonce: str, body: bytes) -> str:
     return hmac.new(key, b"group-answer\n" + client_nonce.encode() + b"\n" + body, hashlib.sha256).hexdigest()
 
 
+class OtherRun(str):
+    """Why node 0's answer cannot be used, when no retry will help: it serves another run (the pods'
+    settings differ). A type, so the caller decides by it, not by the text."""
+
+
 def state_problem(state, run: str) -> str | None:
     """None when node 0's answer can be acted on, else why not (a different run is bad input)."""
     if not isinstance(state, dict) or state.get("state") not in STATES:
         return "not a group state"
     if state.get("run") != run:
-        return f"node 0 serves run {str(state.get('run'))[:200]!a}, this pod's S3_OUTPUT_URI is {run!a}"
+        return OtherRun(f"node 0 serves run {str(state.get('run'))[:200]!a}, this pod's S3_OUTPUT_URI is {run!a}")
     step = state.get("step")
     if state["state"] == "restored" and step is not None and (
             not checkpoint.is_file_name(step) or checkpoint.parse_step(step) is None):
@@ -279,7 +257,7 @@ def wait(asker: Asker, run: str, seconds: float) -> int:
             if state["state"] == "complete":
                 return contract.EXIT_COMPLETE_FOUND
             deadline = time.monotonic() + seconds  # "waiting": node 0 is alive, waiting for the lease
-        elif problem.startswith("node 0 serves run"):
+        elif isinstance(problem, OtherRun):
             print(f"{problem}; give every pod of the group the same settings (scripts/submit.py does)",
                   file=sys.stderr)
             return contract.EXIT_BAD_INPUT

@@ -1,34 +1,16 @@
 """One writer per S3_OUTPUT_URI: a lease object in S3 with a heartbeat and an expiry.
 
-A Kubernetes Job may run the same pod twice (and a pod cut off from the API server keeps running).
-Two pods writing one prefix would overwrite each other's checkpoints, so every writer first takes
-`lease.json` with a conditional PUT (If-None-Match: * to create, If-Match: <etag> to renew or to take
-over an expired one); S3 lets exactly one of two racing writers win. Expiry is judged on S3's clock
-(the object's LastModified against the response's Date), so pods' clock skew does not matter. A
-Date that is not one aware time (two Date headers joined by a proxy, a naive or garbled one) gives
-its first HTTP date, or else this pod's clock, as an answer with no Date does.
-
-The holder renews every ttl/3 from a thread. A holder that cannot prove its lease is fresh writes
-nothing; one whose renewal is refused (412) has lost it and stops. "Fresh" means its last renewal
-was sent at most ttl/2 ago, so another pod can take it over no sooner than ttl/2 after any check.
-The uploader checks before each write request it sends (botocore's retries and multipart parts
-included) and every ~256 KB of a body, so one of its writes lands after a takeover only if S3
-applies it more than ttl/2 after its last check (a stalled request, a frozen pod).
-
-Some S3-compatible stores ignore If-None-Match / If-Match on PUT: there both racing pods would
-win. So every acquire proves the store refuses what it must (two conditional PUTs of the lease it
-just took, which must fail with 412) and stops with exit 64 otherwise.
-
-COMPLETE ends the run (exit 3) only when it is one this run may trust (checkpoint.complete_problem):
-with CHECKPOINT_HMAC_KEY set, signed for this run. Another object there is said once and ignored:
-the pod goes on (the trainer resumes from the newest checkpoint, at its last step if the run was
-finished) and its final upload writes a signed COMPLETE over it. S3_LEASE=off runs without a
-lease at all (the state file says so; the uploader then checks nothing): one pod per prefix is then
-the operator's business.
-
     python lease.py acquire S3_OUTPUT_URI STATE_FILE   # waits while another live pod holds it
     exit 0: held (token in STATE_FILE; or S3_LEASE=off), 3: the run is already COMPLETE (S3_LEASE=off:
     checked only with CHECKPOINT_HMAC_KEY set, script.sh checks it otherwise), 64/75: errors
+
+A Kubernetes Job may run the same pod twice, and two pods writing one prefix would overwrite each
+other's checkpoints. So every writer first takes `lease.json` with a conditional PUT (If-None-Match
+to create, If-Match to renew or take over an expired one): S3 lets one of two racing writers win.
+Expiry is judged on S3's clock, so pods' clock skew does not matter. The holder renews every ttl/3
+from a thread (Keeper) and writes only while its last renewal is at most ttl/2 old; every acquire
+proves the store refuses what it must (exit 64 otherwise). COMPLETE ends the run only when this run
+may trust it (signed, with CHECKPOINT_HMAC_KEY). docs/reliability.md has the rules and why.
 
 Environment: LEASE_TTL_SECONDS (30, at least 3), LEASE_WAIT_SECONDS (3000), S3_LEASE (on|off).
 """
@@ -45,6 +27,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -71,6 +54,25 @@ def _once(fn, *args):
 
 class LeaseLost(s3lib.Stop):
     """Another pod holds the lease now: this one must not write."""
+
+
+class LeaseHeld(s3lib.Stop):
+    """A conditional write of lease.json was refused (409, 412): another writer holds it, or got
+    there first. Retries pass it on, as litestream's LeaseExistsError."""
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """lease.json as S3 holds it now."""
+
+    holder: str
+    etag: str
+    age: float  # seconds since its last renewal, on S3's clock
+    ttl: float  # the TTL that applies: the holder's own when longer than this pod's
+
+    @property
+    def expired(self) -> bool:
+        return self.age > self.ttl
 
 
 def _seconds(environ, name: str, default: str, minimum: float, rule: str) -> float:
@@ -147,37 +149,56 @@ class Lease:
         """Two writes of the lease just taken that S3 must refuse: it exists (If-None-Match: *) and
         has another ETag (If-Match). Refused, they change nothing; landed, they only rewrite this
         pod's own lease, which it then lets go."""
-        verdict = store_verdict(self.run, retry(self._put, if_none_match=True),
-                                retry(self._put, if_match=NO_SUCH_ETAG))
+        verdict = store_verdict(self.run, self._lands(retry, if_none_match=True),
+                                self._lands(retry, if_match=NO_SUCH_ETAG))
         if verdict:
             self.release(retry)
             raise s3lib.BadInput(verdict)
+
+    def _lands(self, retry, **condition) -> bool:
+        """A conditional write of the lease went through (False: refused)."""
+        try:
+            retry(self._put, **condition)
+        except LeaseHeld:
+            return False
+        return True
 
     def _take(self, retry, wait_seconds: float) -> None:
         deadline = time.monotonic() + wait_seconds
         while True:
             current = retry(self._read)
-            if current is None and retry(self._put, if_none_match=True):
-                return
-            if current is not None:
-                owner, etag, age, ttl = current
-                if owner == self.holder:  # our write landed though its answer was lost
-                    self._hold(etag, age)
+            try:
+                if self._took(retry, current):
                     return
-                if age > ttl and retry(self._put, if_match=etag):
-                    log("lease", f"took over the lease of {owner}, expired {age - ttl:.0f}s ago")
+            except LeaseHeld:
+                continue  # another writer got there first: read again
+            if current is not None and not current.expired:
+                if retry(self._complete):
                     return
-                if age <= ttl:
-                    if retry(self._complete):
-                        return
-                    if time.monotonic() > deadline:
-                        raise s3lib.Unavailable(f"another pod ({owner}) holds the lease on {self.run} "
-                                                f"(renewed {age:.0f}s ago); gave up after {wait_seconds:.0f}s")
-                    log("lease", f"{owner} holds the lease on {self.run} (renewed {age:.0f}s ago): waiting")
-                    time.sleep(min(10.0, max(1.0, ttl - age + 0.5)))
+                if time.monotonic() > deadline:
+                    raise s3lib.Unavailable(f"another pod ({current.holder}) holds the lease on {self.run} "
+                                            f"(renewed {current.age:.0f}s ago); gave up after {wait_seconds:.0f}s")
+                log("lease", f"{current.holder} holds the lease on {self.run} (renewed {current.age:.0f}s ago): "
+                             "waiting")
+                time.sleep(min(10.0, max(1.0, current.ttl - current.age + 0.5)))
 
-    def _read(self) -> tuple[str, str, float, float] | None:
-        """(holder, etag, seconds since its last renewal on S3's clock, the TTL that applies) or None."""
+    def _took(self, retry, current: LeaseRecord | None) -> bool:
+        """Taken now when free, ours already, or expired; False while another pod's is live.
+        LeaseHeld when another writer wins the race for it."""
+        if current is None:
+            retry(self._put, if_none_match=True)
+            return True
+        if current.holder == self.holder:  # our write landed though its answer was lost
+            self._hold(current.etag, current.age)
+            return True
+        if current.expired:
+            retry(self._put, if_match=current.etag)
+            log("lease", f"took over the lease of {current.holder}, expired {current.age - current.ttl:.0f}s ago")
+            return True
+        return False
+
+    def _read(self) -> LeaseRecord | None:
+        """lease.json as S3 holds it now, or None when there is none."""
         try:
             answer = self.s3.get_object(Bucket=self.run.bucket, Key=self.run.key(KEY))
         except botocore.exceptions.ClientError as err:
@@ -189,13 +210,13 @@ class Lease:
         age = (server_now - answer["LastModified"]).total_seconds()
         # The holder's own TTL when longer: a pod that renews every 40 s (TTL 120) must not be taken
         # over after this pod's 30 s.
-        return body["holder"], answer["ETag"], age, max(self.ttl, body["ttl"])
+        return LeaseRecord(body["holder"], answer["ETag"], age, max(self.ttl, body["ttl"]))
 
     def _complete(self) -> bool:
         return trusted_complete(self.s3, self.run)
 
-    def _put(self, if_none_match: bool = False, if_match: str | None = None) -> bool:
-        """A conditional write of the lease; False when another writer got there first."""
+    def _put(self, if_none_match: bool = False, if_match: str | None = None) -> None:
+        """A conditional write of the lease; LeaseHeld when another writer got there first."""
         body = json.dumps({"holder": self.holder, "ttl_seconds": self.ttl, "pod": os.environ.get("HOSTNAME", ""),
                            "renewed_at": time.time()}).encode()
         condition = {"IfNoneMatch": "*"} if if_none_match else {"IfMatch": if_match}
@@ -205,7 +226,7 @@ class Lease:
                                         ContentType="application/json", **condition)
         except botocore.exceptions.ClientError as err:
             if s3lib.http_status(err) in (409, 412):
-                return False
+                raise LeaseHeld(f"another writer holds the lease on {self.run}") from None
             if s3lib.http_status(err) == 501:
                 raise s3lib.BadInput(
                     f"the S3 store refuses conditional writes ({s3lib.error_code(err)}, 501), which the lease "
@@ -213,7 +234,6 @@ class Lease:
                     "run one pod per S3_OUTPUT_URI yourself") from None
             raise
         self._hold(answer["ETag"], time.monotonic() - sent)
-        return True
 
     def _hold(self, etag: str, age: float = 0.0) -> None:
         """Ours, as of `age` seconds ago; saved at once, so a SIGTERM right after still lets the
@@ -236,13 +256,16 @@ class Lease:
                 self._renew_locked()
 
     def _renew_locked(self) -> None:
-        if self._put(if_match=self.etag):
+        try:
+            self._put(if_match=self.etag)
             return
+        except LeaseHeld:
+            pass
         current = self._read()
-        if current and current[0] == self.holder:  # a retried renewal whose first try landed
-            self._hold(current[1], current[2])
+        if current and current.holder == self.holder:  # a retried renewal whose first try landed
+            self._hold(current.etag, current.age)
             return
-        raise LeaseLost(f"another pod ({current[0] if current else 'none'}) holds the lease on "
+        raise LeaseLost(f"another pod ({current.holder if current else 'none'}) holds the lease on "
                         f"{self.run} now; this pod stops writing there")
 
     def stale(self, now: float | None = None) -> bool:
@@ -262,9 +285,9 @@ class Lease:
         retry = retry or _once
         with self._lock:
             current = retry(self._read)
-            if current is None or current[0] != self.holder:
+            if current is None or current.holder != self.holder:
                 return
-            retry(self._delete, current[1])
+            retry(self._delete, current.etag)
         if self.path:  # the pod's finish must not think it still holds it
             self.path.unlink(missing_ok=True)
 

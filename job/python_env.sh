@@ -16,18 +16,15 @@
 # Exit 75: pip could not reach its index.
 set -o errexit -o nounset -o pipefail
 
-REDACT_SED="$(dirname "${BASH_SOURCE[0]}")/redact.sed"
-
-# URL credentials hidden: requirements may name an index as https://user:TOKEN@host/simple, and
-# both requirements_met.py's list and pip's errors quote it.
-# One line, whatever pip quoted from its index: control characters become '?'.
-log() {
-  local line="$*"
-  printf '%s python_env: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${line//[[:cntrl:]]/?}" | LC_ALL=C sed -E -f "${REDACT_SED}" >&2
-}
-die() { local code=$1; shift; log "error: $*"; exit "${code}"; }
+# URL credentials hidden on each line (LOG_REDACT): requirements may name an index as
+# https://user:TOKEN@host/simple, and both requirements_met.py's list and pip's errors quote it.
+LOG_NAME=python_env
+LOG_REDACT=1
+# shellcheck source=job/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 main() {
+  exec >&2  # all it prints is log lines; what it chose goes to PYTHON_FILE
   local work_dir=$1 python_file=$2; shift 2
   local -a constraints=()
   if [[ "${1:-}" == --constraints ]]; then

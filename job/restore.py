@@ -2,32 +2,21 @@
 
     python restore.py S3_OUTPUT_URI OUTPUT_DIR [--step NAME] [--ranks FIRST:COUNT:WORLD]
 
---ranks: this node runs ranks FIRST..FIRST+COUNT-1 of WORLD (a group). A sharded step (train.py
-under FSDP) saved at that world size comes down in part: the files those ranks read, and the
-ones every rank reads; the local manifest names the rest as absent. Any other step comes whole.
+--step: that checkpoint and no other (the step node 0 chose; empty: none), waited for up to
+S3_RETRY_SECONDS while node 0's uploader puts it in S3. --ranks: this node runs ranks
+FIRST..FIRST+COUNT-1 of WORLD; a sharded step saved at that world size comes down in part (the
+local manifest names the rest as absent), any other whole.
 
---step: that checkpoint and no other (a node of a group takes the step node 0 chose; an empty NAME:
-none, the group starts at step 0). Until it is in S3 it is waited for, up to S3_RETRY_SECONDS: node
-0 may hold it only on its disk yet, with its uploader putting it there.
+A step counts only with its manifest.json in S3 (the uploader writes it last). Its files are
+hashed as they come, checked against the manifest and committed locally with the trainer's own
+protocol; a damaged one is skipped with a warning and the one before it tried. Nothing in S3 is
+changed, nothing written outside the staging folder, and a manifest is judged as untrusted input
+(checkpoint.is_manifest, listed sizes checked before a byte is fetched). remote_checkpoints.py is
+how S3 holds a checkpoint; this file chooses which step. The one restored is named in
+RESTORE_VERIFIED_FILE, so the trainer checks it by size only. docs/how-it-works.md has the rest.
 
-A step folder in S3 counts only if its manifest.json is there (the uploader writes it last). Its
-files are downloaded into a staging folder, each hashed as its bytes come and checked against the
-manifest (size and sha256), and committed locally with the same protocol the trainer uses. A
-damaged one is skipped with a warning that names it, and the one before it is tried. Nothing in
-S3 is changed.
-
-Whoever can write the bucket can write a manifest, so one counts only if checkpoint.is_manifest
-says so (plain file names, a known format, a valid hmac when CHECKPOINT_HMAC_KEY is set), every
-object's size in the listing matches it before a byte is fetched, and nothing is written outside
-the staging folder. A checkpoint that cannot fit on the local disk is bad input. How S3 holds a
-checkpoint (listing, reading and judging its manifest, fetching) is remote_checkpoints.py; this
-file chooses which step, and what to do when one is damaged or not there yet.
-
-With RESTORE_VERIFIED_FILE set, the checkpoint restored (hashed against its manifest here, whether
-fetched or found whole on disk) is recorded there (checkpoint.note_verified): the trainer started
-next checks that one by size only instead of hashing it all again.
-
-Exit 0 (restored, or nothing to restore), 64 (bad input), 75 (S3 unreachable).
+Exit 0 (restored, or nothing to restore), 64 (bad input, a checkpoint too big for the disk), 75 (S3
+unreachable).
 """
 
 from __future__ import annotations

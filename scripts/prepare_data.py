@@ -13,12 +13,10 @@ Usage:
     python scripts/prepare_data.py --input wiki_saved/ --out data/wiki \\
         --split train --text_field text --val_fraction 0.05
 
-Output (in --out):
-    train.bin, val.bin  token ids as little-endian uint16 (numpy tofile); the trainer reads them
-                        with np.memmap(path, dtype=np.uint16, mode="r"). The first (1 - val_fraction)
-                        of the token stream is train, the rest val.
-    meta.json           {"vocab_size", "tokenizer" ("byte" or the tokenizer dir's name),
-                         "eot_token" (int or null), "dtype": "uint16", "train_tokens", "val_tokens"}
+Output (in --out): train.bin and val.bin, token ids as little-endian uint16 (the trainer memmaps
+them; the first 1 - val_fraction of the token stream is train), and meta.json ({"vocab_size",
+"tokenizer" ("byte" or the tokenizer dir's name), "eot_token" (int or null), "dtype": "uint16",
+"train_tokens", "val_tokens"}).
 
 Nothing is downloaded: the tokenizer must be a directory written by save_pretrained().
 Bad input (a missing file, an unknown column, ...) prints one line on stderr and exits 64,

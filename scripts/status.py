@@ -13,36 +13,7 @@ A run is a folder holding status.json or checkpoints/, at any depth under the pr
 holds them itself is one run. Columns: state, newest step committed in S3 / max steps, best
 validation loss, attempts (pods) so far, time since the trainer's last heartbeat, bytes in S3.
 
-States:
-    completed    COMPLETE exists
-    running      a pod trains it (starting: a pod restores it); heartbeat newer than --stale-after
-    stale        status.json says running, but no heartbeat for --stale-after seconds: the pod
-                 died without a word (SIGKILL, node lost) or cannot reach S3
-    failed       the last pod ended with an exit code other than 0, 130 and 143
-    interrupted  the last pod was stopped (SIGTERM or SIGINT, exit 143 or 130); the next one resumes
-    incomplete   the last pod ended with 0 but COMPLETE is missing; the next pod writes it
-    unknown      checkpoints but no status.json (a run the uploader never reported)
-    unreadable   its status.json or COMPLETE is not what the pod writes (too big, nested too
-                 deep, not JSON, a field of another type): why, under the table and as "problem"
-                 (--json); the other runs show as usual. A damaged newest manifest is skipped, as
-                 the pod skips it
-
-A failed attempt shows the pod's last error line (status.json keeps it): under the table for a
-failed run; for one run, under its attempts.
-
---json prints a list of runs with the same fields (one object, with attempt_history, for one run).
-
---logs prints one run's pod logs from S3 (logs/attempt-NNNN-POD/), each attempt under a header:
-what `kubectl logs` showed, after the pod is gone. --attempt N: that attempt's alone. --events:
-the EVENT lines for tools too. Control characters in them, and in every name and line read from
-S3, are shown escaped (\\x1b), never sent to the terminal.
-
---plot reads the TensorBoard event files of the runs (steps that a restarted pod redid count
-once, as in TensorBoard) and draws train/loss (lines) and val/loss (dots) per run.
-
-S3 is reached with boto3's usual credentials; AWS_ENDPOINT_URL points it at an S3-compatible
-store. Exit codes: 0; 64 bad input (not an s3:// URI, no such bucket, no run under the prefix,
-refused credentials); 75 S3 unreachable. Errors are one line on stderr.
+The states, the columns and every flag are in --help (HELP below) and docs/watching.md.
 """
 
 from __future__ import annotations
@@ -681,10 +652,43 @@ def report(rows: list[dict], single: bool, as_json: bool) -> str:
     return "\n".join([format_table(COLUMNS, [table_row(row) for row in rows]), *notes(rows)])
 
 
+HELP = """States:
+    completed    COMPLETE exists
+    running      a pod trains it (starting: a pod restores it); heartbeat newer than --stale-after
+    stale        status.json says running, but no heartbeat for --stale-after seconds: the pod
+                 died without a word (SIGKILL, node lost) or cannot reach S3
+    failed       the last pod ended with an exit code other than 0, 130 and 143
+    interrupted  the last pod was stopped (SIGTERM or SIGINT, exit 143 or 130); the next one resumes
+    incomplete   the last pod ended with 0 but COMPLETE is missing; the next pod writes it
+    unknown      checkpoints but no status.json (a run the uploader never reported)
+    unreadable   its status.json or COMPLETE is not what the pod writes (too big, nested too
+                 deep, not JSON, a field of another type): why, under the table and as "problem"
+                 (--json); the other runs show as usual. A damaged newest manifest is skipped, as
+                 the pod skips it
+
+A failed attempt shows the pod's last error line (status.json keeps it): under the table for a
+failed run; for one run, under its attempts.
+
+--json prints a list of runs with the same fields (one object, with attempt_history, for one run).
+
+--logs prints one run's pod logs from S3 (logs/attempt-NNNN-POD/), each attempt under a header:
+what `kubectl logs` showed, after the pod is gone. --attempt N: that attempt's alone. --events:
+the EVENT lines for tools too. Control characters in them, and in every name and line read from
+S3, are shown escaped (\\x1b), never sent to the terminal.
+
+--plot reads the TensorBoard event files of the runs (steps that a restarted pod redid count
+once, as in TensorBoard) and draws train/loss (lines) and val/loss (dots) per run.
+
+S3 is reached with boto3's usual credentials; AWS_ENDPOINT_URL points it at an S3-compatible
+store. Exit codes: 0; 64 bad input (not an s3:// URI, no such bucket, no run under the prefix,
+refused credentials); 75 S3 unreachable. Errors are one line on stderr.
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
+                                     epilog="\n".join(__doc__.splitlines()[2:14]) + "\n" + HELP)
     parser.add_argument("uri", metavar="S3_PREFIX", help="s3://bucket/prefix/ holding runs, or one run")
     parser.add_argument("--json", action="store_true", help="print JSON (a list of runs; one object for one run)")
     parser.add_argument("--stale-after", type=float, default=600, metavar="SECONDS",

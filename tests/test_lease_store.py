@@ -118,13 +118,13 @@ def test_uploader_without_a_lease_uploads_and_applies_retention(s3, s3_endpoint,
     assert acquire(tmp_path, s3_endpoint, uri, S3_LEASE="off").returncode == 0
     monkeypatch.setenv("STATE_DIR", str(tmp_path / "state"))
     uploader = Uploader(s3lib.Location.parse(uri), tmp_path / "out", retry_seconds=10)
-    uploader.hold_lease()
+    uploader.writer.hold_lease()
     for step in (5, 10, 15):
         commit(tmp_path / "out", step, size=1000, keep=2)
-    uploader.sync_checkpoints()
+    uploader.checkpoints.sync()
     assert "runs/unleased/lease.json" not in keys_in_s3(s3, "runs/unleased/"), "a lease was taken"
-    uploader.keeper.stop()
-    uploader.keeper.lease.release(uploader.retry)
+    uploader.writer.keeper.stop()
+    uploader.writer.keeper.lease.release(uploader.writer.retry)
     committed = {k.split("/")[-2] for k in keys_in_s3(s3, "runs/unleased/") if k.endswith("manifest.json")}
     assert committed == {"step-00000010", "step-00000015"}
     assert not (tmp_path / "state" / "lease.json").exists()
@@ -155,9 +155,9 @@ def slow_parts(s3, s3_endpoint, tmp_path, monkeypatch):
         where = s3lib.Location.parse(f"s3://{BUCKET}/runs/slow/")
         assert leaselib.Lease(s3lib.client(), where, "this-pod", 3, path=tmp_path / "state" / "lease.json").acquire(10)
         uploader = Uploader(where, tmp_path / "out", retry_seconds=10)
-        uploader.hold_lease()
+        uploader.writer.hold_lease()
         yield uploader, proxy
-        uploader.keeper.stop()
+        uploader.writer.keeper.stop()
 
 
 def parts_sent(proxy) -> int:
@@ -169,7 +169,7 @@ def upload_in_background(uploader, folder):
 
     def upload():
         try:
-            outcome["uploaded"] = uploader.upload_checkpoint(folder)
+            outcome["uploaded"] = uploader.checkpoints.upload(folder)
         except BaseException as err:  # noqa: BLE001 - the test looks at it
             outcome["error"] = err
 
@@ -206,7 +206,7 @@ def test_a_write_longer_than_ttl_half_completes_while_the_lease_is_renewed(slow_
                           ["Body"].read())
     body = s3.get_object(Bucket=BUCKET, Key="runs/slow/checkpoints/step-00000005/model.pt")["Body"].read()
     assert len(body) == manifest["files"]["model.pt"]["size"] == 3 * PART + 1234
-    assert uploader.keeper.lost is None
+    assert uploader.writer.keeper.lost is None
 
 
 # -- through the real job.yaml --------------------------------------------------------------------
@@ -271,7 +271,7 @@ def test_a_single_put_streaming_longer_than_ttl_half_stops_mid_body_at_a_takeove
         where = s3lib.Location.parse(f"s3://{BUCKET}/runs/stream/")
         assert leaselib.Lease(s3lib.client(), where, "this-pod", 3, path=tmp_path / "state" / "lease.json").acquire(10)
         uploader = Uploader(where, tmp_path / "out", retry_seconds=10)
-        uploader.hold_lease()
+        uploader.writer.hold_lease()
         try:
             folder = commit(tmp_path / "out", 5, size=24 << 20)
             thread, outcome = upload_in_background(uploader, folder)
@@ -281,7 +281,7 @@ def test_a_single_put_streaming_longer_than_ttl_half_stops_mid_body_at_a_takeove
             s3.put_object(Bucket=BUCKET, Key="runs/stream/lease.json", Body=json.dumps(usurper).encode())
             thread.join(timeout=120)
         finally:
-            uploader.keeper.stop()
+            uploader.writer.keeper.stop()
     assert isinstance(outcome.get("error"), leaselib.LeaseLost), outcome
     assert keys_in_s3(s3, "runs/stream/") == ["runs/stream/lease.json"], "the body was sent whole and landed"
 
@@ -294,22 +294,22 @@ def test_every_write_request_of_the_uploader_waits_on_the_lease_reads_do_not(s3,
     assert leaselib.Lease(s3lib.client(), where, "this-pod", 3, path=tmp_path / "state" / "lease.json").acquire(10)
     s3.put_object(Bucket=BUCKET, Key="runs/gated/old", Body=b"kept")
     uploader = Uploader(where, tmp_path / "out", retry_seconds=10)
-    uploader.hold_lease()
+    uploader.writer.hold_lease()
     try:
         s3.put_object(Bucket=BUCKET, Key="runs/gated/lease.json", Body=b'{"holder": "other-pod"}')
-        assert wait_until(lambda: uploader.keeper.lost, 30), "the keeper never saw the takeover"
+        assert wait_until(lambda: uploader.writer.keeper.lost, 30), "the keeper never saw the takeover"
         # Straight calls on the client, no write() around them: the client itself refuses.
-        for call, args in [(uploader.s3.put_object, {"Key": "runs/gated/new", "Body": b"x"}),
-                           (uploader.s3.delete_object, {"Key": "runs/gated/old"}),
-                           (uploader.s3.copy_object, {"Key": "runs/gated/copy",
+        for call, args in [(uploader.writer.s3.put_object, {"Key": "runs/gated/new", "Body": b"x"}),
+                           (uploader.writer.s3.delete_object, {"Key": "runs/gated/old"}),
+                           (uploader.writer.s3.copy_object, {"Key": "runs/gated/copy",
                                                       "CopySource": {"Bucket": BUCKET, "Key": "runs/gated/old"}}),
-                           (uploader.s3.delete_objects, {"Delete": {"Objects": [{"Key": "runs/gated/old"}]}})]:
+                           (uploader.writer.s3.delete_objects, {"Delete": {"Objects": [{"Key": "runs/gated/old"}]}})]:
             with pytest.raises(leaselib.LeaseLost):
                 call(Bucket=BUCKET, **args)
-        assert uploader.s3.get_object(Bucket=BUCKET, Key="runs/gated/old")["Body"].read() == b"kept"
-        assert sorted(keys_in_s3(uploader.s3, "runs/gated/")) == ["runs/gated/lease.json", "runs/gated/old"]
+        assert uploader.writer.s3.get_object(Bucket=BUCKET, Key="runs/gated/old")["Body"].read() == b"kept"
+        assert sorted(keys_in_s3(uploader.writer.s3, "runs/gated/")) == ["runs/gated/lease.json", "runs/gated/old"]
     finally:
-        uploader.keeper.stop()
+        uploader.writer.keeper.stop()
 
 
 # -- what another pod left in lease.json -------------------------------------------------------

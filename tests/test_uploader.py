@@ -138,18 +138,18 @@ def test_best_of_a_step_already_in_s3_is_copied_inside_s3_and_its_manifest_goes_
     take_lease(env, uri)
     monkeypatch.setenv("STATE_DIR", env["STATE_DIR"])
     uploader = Uploader(s3lib.Location.parse(uri), out, retry_seconds=10)
-    uploader.hold_lease()
+    uploader.writer.hold_lease()
     writes = []
 
     def count(params, model, **_):
         if model.name in ("PutObject", "CopyObject"):
             writes.append((model.name, params.get("Key")))
 
-    uploader.s3.meta.events.register("before-parameter-build.s3", count)
+    uploader.writer.s3.meta.events.register("before-parameter-build.s3", count)
     try:
-        uploader.sync_checkpoints()
+        uploader.checkpoints.sync()
     finally:
-        uploader.keeper.stop()
+        uploader.writer.keeper.stop()
     ckpts = "runs/best/checkpoints/"
     assert writes == [("PutObject", ckpts + "step-00000005/model.pt"),
                       ("PutObject", ckpts + "step-00000005/manifest.json"),

@@ -67,7 +67,8 @@ def test_script_sh_names_the_lease_state_file_as_the_contract_does():
 
 def test_script_sh_parses_no_json_inline():
     """JSON is read by job/*.py entry points with tests of their own, never by `python -c` strings."""
-    assert "python3 -c" not in SCRIPT.read_text() and '"${PYTHON}" -c' not in SCRIPT.read_text()
+    for path in (SCRIPT, SCRIPT.parent / "settings.sh"):
+        assert "python3 -c" not in path.read_text() and '"${PYTHON}" -c' not in path.read_text()
 
 
 def bash_event(*args: str) -> str:
@@ -111,7 +112,8 @@ def test_wait_finds_an_event_in_a_pod_log_and_gives_up_after_its_time(tmp_path):
 def test_script_sh_and_lease_py_default_the_lease_settings_alike(name, python_default):
     # script.sh fills in the default before lease.py and the uploader read it: one value, or the
     # pods run with the bash one whatever lease.py says.
-    found = re.search(rf"^\s*{name}=\$\{{{name}:-([0-9]+)\}}$", SCRIPT.read_text(), flags=re.M)
+    found = re.search(rf"^\s*{name}=\$\{{{name}:-([0-9]+)\}}$", (SCRIPT.parent / "settings.sh").read_text(),
+                      flags=re.M)
     assert found and float(found.group(1)) == python_default()
 
 

@@ -3,7 +3,8 @@ pod reads or sets, every config key with its default, every exit code, every eve
 layout's names; and the README's layout table names every file of the shipped folders.
 
 What the code reads is found in the code itself, by rules written down here:
-- job/script.sh: its settings are its `readonly SETTINGS=(...)` array (job/contract.py's SETTINGS,
+- job/script.sh, with job/settings.sh that it sources (the settings' checks) as one text: its
+  settings are script.sh's `readonly SETTINGS=(...)` array (job/contract.py's SETTINGS,
   which tests/unit/test_contract.py keeps equal), and the names a controller sets are its
   `CONTROLLER_SETTINGS`; each must be read by the pod's code, not only listed. Anywhere else in the
   script, a name read and never assigned (or assigned from itself, `X=${X:-default}`) comes from
@@ -32,6 +33,7 @@ from markdown_docs import ROOT, code_spans, tables
 
 REFERENCE = ROOT / "docs" / "reference.md"
 SCRIPT = ROOT / "job" / "script.sh"
+POD_SHELL = (SCRIPT, ROOT / "job" / "settings.sh")  # script.sh sources settings.sh: one program
 BASH_OWN = {"SECONDS", "RANDOM", "BASH_SOURCE", "BASH_REMATCH", "LINENO", "BASH_COMMAND", "PIPESTATUS"}
 NOT_THE_PODS = {"LC_ALL": "the C locale for one sed or a byte count, never the pod's interface"}
 NAME = r"[A-Z][A-Z0-9_]*"
@@ -68,10 +70,15 @@ def shell_events(text: str) -> list[tuple[int, str, str]]:
     return sorted(events)
 
 
-def shell_reads(path: Path) -> set[str]:
-    """Names a shell script takes from its environment, anywhere in it: read and never assigned
-    (or assigned from themselves), or listed in a `for` loop that looks them up by name."""
-    text = strip_comments(path.read_text())
+def shell_text(*paths: Path) -> str:
+    return "\n".join(strip_comments(path.read_text()) for path in paths)
+
+
+def shell_reads(*paths: Path) -> set[str]:
+    """Names a shell script (and what it sources, given with it) takes from its environment,
+    anywhere in it: read and never assigned (or assigned from themselves), or listed in a `for`
+    loop that looks them up by name."""
+    text = shell_text(*paths)
     events = shell_events(text)
     assigned = {n for _, kind, n in events if kind == "assign"}
     looked_up = {n for m in re.finditer(rf"for \w+ in ((?:{NAME}[ ;])+)", text) for n in re.findall(NAME, m.group(1))}
@@ -88,19 +95,20 @@ def controller_settings() -> set[str]:
 
 def script_reads_outside_its_arrays() -> set[str]:
     """Names job/script.sh reads (or assigns from themselves) anywhere but in its name arrays."""
-    text = re.sub(r"^readonly (?:CONTROLLER_)?SETTINGS=\(.*?\)$", "", strip_comments(SCRIPT.read_text()),
+    text = re.sub(r"^readonly (?:CONTROLLER_)?SETTINGS=\(.*?\)$", "", shell_text(*POD_SHELL),
                   flags=re.M | re.S)
     return {name for _, kind, name in shell_events(text) if kind in ("read", "self")}
 
 
 def script_defaults() -> dict[str, str]:
-    text = strip_comments(SCRIPT.read_text())
+    text = shell_text(*POD_SHELL)
     return {name: value for name, value in re.findall(rf"\b({NAME})=\$\{{\1:-([^$}}]+)\}}", text)}
 
 
-def shell_sets(path: Path) -> set[str]:
-    """Names a script exports, or sets in front of a command for it alone."""
-    text = strip_comments(path.read_text())
+def shell_sets(*paths: Path) -> set[str]:
+    """Names a script (and what it sources, given with it) exports, or sets in front of a command
+    for it alone."""
+    text = shell_text(*paths)
     found = set()
     for match in re.finditer(r"^\s*export ([^\n]+)$", text, re.M):
         found |= set(re.findall(rf"(?:^|\s)({NAME})(?==|\s|$)", match.group(1)))
@@ -168,7 +176,7 @@ def job_yaml_env() -> dict[str, str]:
 
 def pod_reads() -> dict[str, set[str]]:
     reads = python_reads("job", "code")
-    for name in (script_settings() | controller_settings() | shell_reads(SCRIPT)
+    for name in (script_settings() | controller_settings() | shell_reads(*POD_SHELL)
                  | shell_reads(ROOT / "job" / "python_env.sh")):
         reads.setdefault(name, set()).add("job/script.sh")
     return reads
@@ -243,8 +251,8 @@ def test_the_scanners_find_what_is_known_to_be_there():
     assert {"STATE_DIR", "CODE_DIR", "NODE_RANK", "TRAIN_ARGV", "EXIT_BAD_INPUT"}.isdisjoint(script_settings())
     assert {"JOB_COMPLETION_INDEX", "PET_NODE_RANK", "MASTER_PORT"} <= controller_settings()
     assert {"S3_OUTPUT_URI", "EVENTS", "GROUP_SECRET", "TRAIN_ARGS"} <= script_reads_outside_its_arrays()
-    assert {"HOSTNAME", "PYTHONPATH"} <= shell_reads(SCRIPT)
-    assert {"TMPDIR", "TORCHELASTIC_ERROR_FILE", "S3_ENDPOINT_URL"} <= shell_sets(SCRIPT)
+    assert {"HOSTNAME", "PYTHONPATH"} <= shell_reads(*POD_SHELL)
+    assert {"TMPDIR", "TORCHELASTIC_ERROR_FILE", "S3_ENDPOINT_URL"} <= shell_sets(*POD_SHELL)
     assert {"RANK", "HEALTH_FILE", "UPLOAD_RETRY_SECONDS", "CHECKPOINT_HMAC_KEY"} <= set(python_reads("job", "code"))
     assert {"HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"} <= python_sets("job", "code")
     assert {"TEST_WORKERS", "S3_ENDPOINT"} <= set(laptop_reads())
@@ -308,7 +316,7 @@ def test_the_python_helpers_default_to_what_script_sh_does(name, values):
 
 
 def test_set_by_the_pod_is_what_script_sh_exports_or_sets_for_a_command():
-    expected = shell_sets(SCRIPT) - set(names(SETTINGS)) - set(names(PLATFORM))
+    expected = shell_sets(*POD_SHELL) - set(names(SETTINGS)) - set(names(PLATFORM))
     documented = set(names(SET_BY_POD))
     assert not expected - documented, (f"job/script.sh sets {', '.join(sorted(expected - documented))} for its "
                                        f"processes; docs/reference.md, table {SET_BY_POD!r} lacks them")
@@ -417,7 +425,7 @@ def emitted_events() -> dict[str, set[str]]:
     for path in python_files("job", "code"):
         for kind in re.findall(r"\bevent\(\s*\"(\w+)\"", path.read_text()):
             found.setdefault(kind, set()).add(str(path.relative_to(ROOT)))
-    for kind in re.findall(r"^\s*event (\w+)", SCRIPT.read_text(), re.M):
+    for kind in re.findall(r"^\s*event (\w+)", shell_text(*POD_SHELL), re.M):
         found.setdefault(kind, set()).add("job/script.sh")
     return found
 

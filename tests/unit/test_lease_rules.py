@@ -82,6 +82,24 @@ def test_a_lease_is_stale_once_half_its_ttl_has_passed(since_renewal, ttl, stale
     assert lease.stale(now=1000.0 + since_renewal) is stale
 
 
+@pytest.mark.parametrize("age,ttl,expired", [(29.9, 30, False), (30.0, 30, False), (30.1, 30, True)])
+def test_a_lease_record_is_expired_only_past_its_ttl(age, ttl, expired):
+    record = leaselib.LeaseRecord("other-pod", '"etag"', age, ttl)
+    assert record.expired is expired
+    with pytest.raises(AttributeError):
+        record.holder = "me"  # a record read from S3 is not edited in place
+
+
+def test_a_refused_lease_write_passes_through_retries_as_itself():
+    # Not sorted into BadInput (a permanent S3 error) nor retried: the caller decides what a lost
+    # race means.
+    def refused():
+        raise leaselib.LeaseHeld("another writer holds the lease")
+
+    with pytest.raises(leaselib.LeaseHeld):
+        s3lib.retrying("lease", "bucket", seconds=5)(refused)
+
+
 def test_without_a_lease_every_check_passes_and_nothing_is_renewed(tmp_path):
     state = tmp_path / "lease.json"
     leaselib.NoLease.record(state)

@@ -103,6 +103,20 @@ def test_only_global_rank_0_prints_step_events(capsys):
     assert events_in(capsys.readouterr().out) == []
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_meter_returns_what_it_measured_and_writes_nothing_into_the_trainer(rank):
+    meter, trainer = meter_for(rank=rank, log_interval=2, max_steps=5)
+    measured = []
+    for loss in (3.0, 2.5):
+        trainer.step += 1
+        measured.append(meter.after_step(torch.tensor(loss)))
+    assert measured[0] is None, "not a logging step"
+    loss, speed = measured[1]
+    assert loss == 2.5
+    assert (speed is None) if rank else (speed["ms_per_step"] > 0 and speed["eta_seconds"] > 0)
+    assert trainer.train_loss is None and trainer.speed == {}
+
+
 def test_a_committed_save_becomes_one_checkpoint_event(capsys):
     # What the trainer reports for a commit, sync or async: the request, the commit, the block.
     train.report_checkpoint(Path("/x/step-00000010"), nbytes=1234, seconds=2.5, blocked_seconds=0.25)

@@ -3,7 +3,7 @@ lists, and where the next segment starts in a file that grew, was cut or was rep
 
 import pytest
 
-from uploader import Growing, growing_from_listing, part_start, segment_key
+from segment_sync import Growing, growing_from_listing, part_start, segment_key
 
 EVENTS = "runs/r/tensorboard/events.out.tfevents.1700000000.pod.7.0."
 LOG = "runs/r/logs/attempt-0003-pod/"

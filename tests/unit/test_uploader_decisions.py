@@ -7,6 +7,9 @@ import threading
 
 import pytest
 
+import checkpoint_sync
+import completion
+import run_status
 import uploader
 
 GOOD = {"attempt": 1, "pod": "p-1", "started_at": 100.0, "heartbeat_at": 110.0, "ended_at": None,
@@ -33,7 +36,7 @@ GOOD = {"attempt": 1, "pod": "p-1", "started_at": 100.0, "heartbeat_at": 110.0, 
     ({"attempts": [{k: v for k, v in GOOD.items() if k != "started_at"}]}, None),
 ])
 def test_attempts_in_a_status_read_from_s3(status, attempts):
-    assert uploader.attempts_in(status) == attempts
+    assert run_status.attempts_in(status) == attempts
 
 
 @pytest.mark.parametrize("saved, pod, carried_on", [
@@ -46,7 +49,7 @@ def test_attempts_in_a_status_read_from_s3(status, attempts):
     (["x"], "p-1", False),
 ])
 def test_a_restarted_uploader_carries_on_only_this_pods_open_attempt(saved, pod, carried_on):
-    assert (uploader.open_attempts(saved, pod) is not None) == carried_on
+    assert (run_status.open_attempts(saved, pod) is not None) == carried_on
 
 
 @pytest.mark.parametrize("progress, newest_local, step", [
@@ -61,7 +64,7 @@ def test_a_restarted_uploader_carries_on_only_this_pods_open_attempt(saved, pod,
     ({}, None, None),                                   # nothing committed at all
 ])
 def test_the_step_complete_stands_for(progress, newest_local, step):
-    assert uploader.step_to_complete(progress, newest_local)[0] == step
+    assert completion.step_to_complete(progress, newest_local)[0] == step
 
 
 def test_a_failing_chore_backs_off_alone_and_the_others_run_every_round():
@@ -162,7 +165,7 @@ def test_keep_comes_from_the_manifest_when_it_makes_sense(tmp_path, meta, keep):
         with staged.open("model.pt") as file:
             file.write(b"w")
         staged.commit(meta=meta)
-    assert uploader._keep_of(tmp_path / "step-00000005") == keep
+    assert checkpoint_sync.keep_of(tmp_path / "step-00000005") == keep
 
 
 @pytest.mark.parametrize("written,kept", [
@@ -178,4 +181,4 @@ def test_keep_comes_from_the_manifest_when_it_makes_sense(tmp_path, meta, keep):
 def test_a_failed_attempt_keeps_the_pods_last_error_line_bounded_and_escaped(tmp_path, written, kept):
     if written is not None:
         (tmp_path / "last-error.txt").write_bytes(written)
-    assert uploader.last_error(tmp_path) == kept
+    assert run_status.last_error(tmp_path) == kept
