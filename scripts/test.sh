@@ -29,7 +29,7 @@ main() {
   ensure_venv "${root}"
   export PATH="${root}/.venv/bin:${PATH}"
   cd "${root}"
-  local workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
+  local workers=(-n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)  # tests/conftest.py orders the files
   if [[ "${1:-}" == --quick ]]; then
     shift
     echo "test.sh: the unit tests only (tests/unit): no root, no S3 server" >&2

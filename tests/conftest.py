@@ -18,6 +18,26 @@ import pytest  # noqa: E402
 from podlab import BUCKET, ROOT, Run, fake_aws_env, local_s3, venv_path  # noqa: F401 - import paths: pytest.ini
 
 
+# Seconds each end-to-end file took in a full run (2 workers, 2026-11-27, the sum of its tests over
+# 20 s). scripts/test.sh hands out a file to a worker in collection order: the longest go first, so
+# that no long file starts last and runs alone at the end. A file not listed (or new) counts as short.
+FILE_SECONDS = {
+    "test_multinode_engines.py": 509, "test_finetune.py": 478, "test_multinode.py": 380,
+    "test_reliability.py": 357, "test_finished_run.py": 239, "test_train.py": 223, "test_pod.py": 204,
+    "test_finetune_group.py": 177, "test_real_image.py": 163, "test_fsdp_pod.py": 163,
+    "test_bad_input.py": 151, "test_fsdp.py": 137, "test_benchmark_gpu.py": 135, "test_benchmark.py": 124,
+    "test_watch.py": 122, "test_uploader_robust.py": 115, "test_async_checkpoint.py": 103,
+    "test_kill_sweep.py": 103, "test_minimal_train.py": 102, "test_finetune_pod.py": 98,
+    "test_hostile_bucket.py": 80, "test_demo.py": 69, "test_docs_examples_s3.py": 60,
+    "test_lease_store.py": 59, "test_upload_growth.py": 38, "test_resume_arithmetic.py": 31,
+}
+
+
+def pytest_collection_modifyitems(items):
+    """Longest files first (a stable sort: each file's tests keep their order)."""
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0) if item.path.parent.name == "tests" else 0)
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     with local_s3(buckets=(), set_environ=False) as endpoint:

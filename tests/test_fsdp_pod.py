@@ -70,7 +70,11 @@ def test_fsdp_group_restores_per_node_then_one_pod_of_two_goes_on_through_a_sigk
     assert pod.wait_for_event("resumed", timeout=300)["step"] == GROUP_STEPS
     kill_at = random.Random(26).randint(GROUP_STEPS + 6, STEPS - 3)
     pod.wait_for_event("step", step=kill_at, timeout=300)
-    pod.lose_node()
+    # A step past the group's must be in S3 before the kill, or the next pod rightly resumes at
+    # the group's own (under load the upload can trail the steps).
+    assert wait_until(lambda: any(e["event"] == "uploaded" and (e["step"] or 0) > GROUP_STEPS for e in pod.events),
+                      300), pod.output[-3000:]
+    assert pod.lose_node(), "the pod had finished before the kill"
     assert pod.wait() == 137
     code, second = fsdp_run.run(NPROC_PER_NODE="2")
     assert code == 0, second.output[-5000:]
