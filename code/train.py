@@ -276,7 +276,13 @@ def arithmetic_changes(saved, now: dict) -> list[str]:
     """'name saved -> now' for each that differs; none for a checkpoint that recorded nothing."""
     if not isinstance(saved, dict):
         return []
-    return [f"{key} {saved[key]} -> {now[key]}" for key in now if key in saved and saved[key] != now[key]]
+    return [f"{key} {shown(saved[key])} -> {shown(now[key])}" for key in now
+            if key in saved and isinstance(saved[key], (str, int, type(None))) and saved[key] != now[key]]
+
+
+def shown(value) -> str:
+    """A value read from a checkpoint, fit for one log line: a bucket writer cannot forge a line."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in str(value))[:80]
 
 
 def gather_rng_states(rt: Runtime) -> list[dict]:
