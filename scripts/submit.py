@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 JOB_YAML = ROOT / "job.yaml"
 JOB_DIR = ROOT / "job"
 sys.path.append(str(JOB_DIR))
-from contract import CONTROLLER_SETTINGS, EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_UNAVAILABLE, near_misses  # noqa: E402
+from contract import (CONTROLLER_SETTINGS, EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_UNAVAILABLE,  # noqa: E402
+                      SECRET_SETTINGS, near_misses)
 from train_args import split as split_train_args  # noqa: E402 - TRAIN_ARGS split as the pod splits it
 
 RDZV_PORT = 29400
@@ -168,6 +169,10 @@ def check_uris(args: argparse.Namespace) -> None:
             raise BadInput(f"--output {args.output} and {flag} {uris[flag]} overlap; give --output its own prefix")
 
 
+# Secrets come from the aws-credentials Secret (job.yaml's envFrom); a literal one would override it.
+SECRET_ENV = (*SECRET_SETTINGS, "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
+
+
 def env_flags(texts: list[str]) -> dict[str, str]:
     """--env KEY=VALUE, in order: a setting a flag or the engine owns is refused (its checks, or the
     group, would be bypassed); a name a typo away from a setting gets a warning, as in the pod."""
@@ -180,6 +185,9 @@ def env_flags(texts: list[str]) -> dict[str, str]:
             raise BadInput(f"--env {name}: set it with {FLAG_SETTINGS[name]}")
         if name in ENGINE_SETTINGS or name.startswith("PET_"):
             raise BadInput(f"--env {name}: the engine sets it for every pod of the group; leave it out")
+        if name in SECRET_ENV:
+            raise BadInput(f"--env {name}: a secret does not belong in the workload's spec (printed, stored in "
+                           f"plain text); put it in the aws-credentials Secret (docs/security.md)")
         if name in env:
             raise BadInput(f"--env {name} is given twice; give it once")
         env[name] = value

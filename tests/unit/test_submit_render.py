@@ -357,6 +357,14 @@ def test_an_env_name_a_typo_away_from_a_setting_is_warned_about(capsys):
                    "did you mean TRAIN_ARGS?"]
 
 
+@pytest.mark.parametrize("name", ["CHECKPOINT_HMAC_KEY", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"])
+def test_a_secret_given_with_env_is_refused_and_never_shown(name):
+    with pytest.raises(submit.BadInput) as refused:
+        submit.env_flags([f"{name}=s3cr3t-value"])
+    assert f"--env {name}: a secret does not belong" in str(refused.value) and "aws-credentials Secret" in str(refused.value)
+    assert "s3cr3t-value" not in str(refused.value)
+
+
 @pytest.mark.parametrize("engine", ALL_ENGINES)
 def test_namespace_places_every_namespaced_object_and_only_those(engine):
     nodes = "1" if engine == "job" else "2"
