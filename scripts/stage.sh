@@ -113,7 +113,7 @@ stage_code() {
   ((!delete)) || flags+=(--delete)
   ((!dry_run)) || log "dry run, nothing is uploaded or deleted; in ${uri}:"
   python3 "${ROOT}/scripts/lib/stage_code.py" plan "${WORK}" "${bucket}" "${prefix}" "${WORK}/listing.json" \
-    "${record[@]}" "${flags[@]}"
+    ${record[@]+"${record[@]}"} ${flags[@]+"${flags[@]}"}
   local staged uploaded deleted kept
   read -r staged uploaded deleted kept <"${WORK}/counts"
   if ((dry_run)); then
@@ -190,7 +190,7 @@ main() {
   [[ -z "${model_dir}" ]] || check_model "${model_dir}"
   WORK=$(mktemp -d)
   trap 'rm -rf "${WORK}"' EXIT
-  lay_out_code "${code_uri}" "${code_dir}" "${excludes[@]}"
+  lay_out_code "${code_uri}" "${code_dir}" ${excludes[@]+"${excludes[@]}"}
   # Everything is checked: from here on, S3.
   stage_code "${code_uri}" "${delete}" "${dry_run}"
   [[ -z "${data_uri}" ]] ||
