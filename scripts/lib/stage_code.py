@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "job"))  # after the libraries: job/ names no shadow
-from contract import EXIT_BAD_INPUT  # noqa: E402 - the exit codes' one definition
+from contract import EXIT_BAD_INPUT, printable  # noqa: E402 - the exit codes' one definition, the escaper
 RECORD_KEY = ".stage-record.json"
 RUNTIME_MODULES = ("checkpoint.py", "contract.py")
 # The pod syncs the code prefix into WORK_DIR, where these are its own folders (job/script.sh):
@@ -277,22 +277,23 @@ def write_plan(work: Path, result: Plan, local: dict[str, dict], prefix: str, re
 
 
 def show_plan(result: Plan, uri: str) -> None:
+    """One line per file to upload or delete; every key escaped (it may come from S3)."""
     for key in result.new:
-        print(f"  upload (new):     {key}")
+        print(f"  upload (new):     {printable(key)}")
     for key in result.changed:
-        print(f"  upload (changed): {key}")
+        print(f"  upload (changed): {printable(key)}")
     for key in result.delete:
-        print(f"  delete:           {key}")
+        print(f"  delete:           {printable(key)}")
     if result.unchanged:
         print(f"  unchanged:        {len(result.unchanged)} file(s)")
     if result.stale:
         print(f"  kept:             {_few(result.stale)} (staged before, no longer in the folder; --delete removes them)")
     if result.foreign:
-        print(f"  kept:             {_few(result.foreign)} (in {uri}, not put there by stage.sh: never deleted)")
+        print(f"  kept:             {_few(result.foreign)} (in {printable(uri)}, not put there by stage.sh: never deleted)")
 
 
 def _few(keys: list[str]) -> str:
-    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+    return ", ".join(map(printable, keys[:5])) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
 # -- command line ------------------------------------------------------------------------------

@@ -131,3 +131,16 @@ def test_the_runtime_helpers_go_beside_a_trainer_that_has_none(tmp_path):
     layout = stage_code.Layout(files={"train.py": tmp_path / "train.py"})
     stage_code.add_runtime(layout, runtime, tmp_path)
     assert layout.files["checkpoint.py"] == (runtime / "checkpoint.py").resolve() and not layout.warnings
+
+
+def test_keys_from_s3_reach_the_terminal_escaped(capsys):
+    hostile = "evil\x1b[2J\x07\nforged line.py"
+    shown = "evil\\x1b[2J\\x07\\x0aforged line.py"
+    stage_code.show_plan(stage_code.Plan(new=[hostile], changed=[hostile], unchanged=[], delete=[hostile],
+                                         stale=[hostile], foreign=[hostile, "b\u202ec.py"], record=[]),
+                         "s3://bucket/code/")
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+    lines = out.splitlines()
+    assert len(lines) == 5 and all(shown in line for line in lines)
+    assert "b\\u202ec.py" in lines[-1]
