@@ -120,13 +120,19 @@ stage_code() {
     log "dry run: code: ${staged} files, ${uploaded} to upload, ${deleted} to delete, ${kept} kept, in ${uri}"
     return 0
   fi
-  # New and changed files (and the record) first, stale ones deleted after: stopped between, the
-  # prefix holds the new code whole, and a record never names a file to delete that it should not.
+  # New and changed files (and a record that still names the files to delete) first, stale ones
+  # deleted after, the final record last: stopped anywhere, the prefix holds the new code whole and
+  # its record names every file stage.sh put there, so a rerun deletes what is left.
   if [[ -n "$(ls -A "${WORK}/upload")" ]]; then
     aws_run "${uri}" s3 cp --recursive --only-show-errors "${WORK}/upload/" "${uri}"
   fi
-  if [[ -f "${WORK}/delete.json" ]]; then
-    aws_run "${uri}" s3api delete-objects --bucket "${bucket}" --delete "file://${WORK}/delete.json"
+  local request
+  for request in "${WORK}"/delete-*.json; do
+    [[ -f "${request}" ]] || continue  # no match: the glob itself
+    aws_run "${uri}" s3api delete-objects --bucket "${bucket}" --delete "file://${request}"
+  done
+  if [[ -f "${WORK}/final-record.json" ]]; then
+    aws_run "${uri}" s3 cp --only-show-errors "${WORK}/final-record.json" "${uri}${RECORD_KEY}"
   fi
   log "staged code: ${staged} files in ${uri} (${uploaded} uploaded, ${deleted} deleted, ${kept} kept)"
 }
