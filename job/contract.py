@@ -72,6 +72,19 @@ def signal_exit_code(signum: int) -> int:
     return 128 + signum
 
 
+# -- text from S3 or a folder, for a terminal ---------------------------------------------------
+
+def printable(text: str, keep: str = "") -> str:
+    """TEXT with every control or format character escaped (\\x1b, \\u202e), so a name or a line from
+    S3 cannot move the cursor, recolour or rewrite the screen (status.py, stage.sh show it this way)."""
+    return "".join(c if c.isprintable() or c in keep else _escape(c) for c in text)
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 # -- what a trainer and the runtime share, under OUTPUT_DIR (WORK_DIR/out) ----------------------
 # A trainer MUST commit checkpoints as CHECKPOINTS_DIR/step-NNNNNNNN/ with MANIFEST written last
 # (checkpoint.py does it). It MAY write PROGRESS_FILE (then COMPLETE waits for its max_steps;

@@ -6,7 +6,8 @@ tests). Point AWS_ENDPOINT_URL at it: each request is forwarded to the upstream 
 Host header too, since SigV4 signs it) and the upstream's answer comes back, except where the
 proxy injects a fault instead:
 
-    error    answer 500 InternalError or 503 SlowDown without forwarding;
+    error    answer 500 InternalError or 503 SlowDown without forwarding (only requests whose
+             target contains error_match, when it is set: e.g. "?delete" fails DeleteObjects alone);
     reset    drop the client connection with a TCP RST, without answering: right after the
              request headers ("before_body"), after reading the whole request ("after_body"), or,
              when asked for, after the upstream has acted on it ("after_upstream"); or cut the
@@ -126,6 +127,7 @@ class FaultSettings:
     reset_points: tuple[str, ...] = ("before_body", "after_body")
     outage_fault: str = "503"
     slow_match: str = ""
+    error_match: str = ""
     ignore_conditional_writes: bool = False
     refuse_conditional_writes: bool = False
     body_seconds_per_mb: float = 0.0
@@ -153,7 +155,7 @@ SETTING_TYPES = {
     "error_rate": float, "reset_rate": float, "slow_rate": float, "slow_seconds": float,
     "error_statuses": lambda v: tuple(int(s) for s in v),
     "reset_points": lambda v: tuple(str(p) for p in v),
-    "outage_fault": str, "slow_match": str, "ignore_conditional_writes": bool,
+    "outage_fault": str, "slow_match": str, "error_match": str, "ignore_conditional_writes": bool,
     "refuse_conditional_writes": bool, "body_seconds_per_mb": float, "duplicate_date": bool, "verbose": bool,
 }
 CONDITIONAL_HEADERS = {"if-none-match", "if-match"}
@@ -380,6 +382,8 @@ class FaultProxy:
         # advances the same way whatever the rates, so a seeded run replays.
         draw = self._rng.random()
         if draw < settings.error_rate:
+            if settings.error_match not in path:
+                return FORWARD
             return Fault("error", "error", status=self._rng.choice(settings.error_statuses))
         draw -= settings.error_rate
         if draw < settings.reset_rate:
@@ -798,6 +802,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated statuses an error fault picks from (500, 503)")
     parser.add_argument("--reset-points", default="before_body,after_body",
                         help=f"comma-separated points a reset fault picks from {RESET_POINTS}")
+    parser.add_argument("--error-match", default="",
+                        help="fail only requests whose target contains this, e.g. ?delete")
     parser.add_argument("--slow-match", default="",
                         help="slow only requests whose target contains this, e.g. partNumber=")
     parser.add_argument("--ignore-conditional-writes", action="store_true",
@@ -833,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
             error_rate=args.error_rate, reset_rate=args.reset_rate, slow_rate=args.slow_rate,
             slow_seconds=args.slow_seconds, error_statuses=args.error_statuses.split(","),
             reset_points=args.reset_points.split(","), outage_fault=args.outage_fault,
-            slow_match=args.slow_match, ignore_conditional_writes=args.ignore_conditional_writes,
+            slow_match=args.slow_match, error_match=args.error_match, ignore_conditional_writes=args.ignore_conditional_writes,
             refuse_conditional_writes=args.refuse_conditional_writes,
             body_seconds_per_mb=args.body_seconds_per_mb, duplicate_date=args.duplicate_date,
             verbose=args.verbose)

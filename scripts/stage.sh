@@ -113,20 +113,26 @@ stage_code() {
   ((!delete)) || flags+=(--delete)
   ((!dry_run)) || log "dry run, nothing is uploaded or deleted; in ${uri}:"
   python3 "${ROOT}/scripts/lib/stage_code.py" plan "${WORK}" "${bucket}" "${prefix}" "${WORK}/listing.json" \
-    "${record[@]}" "${flags[@]}"
+    ${record[@]+"${record[@]}"} ${flags[@]+"${flags[@]}"}
   local staged uploaded deleted kept
   read -r staged uploaded deleted kept <"${WORK}/counts"
   if ((dry_run)); then
     log "dry run: code: ${staged} files, ${uploaded} to upload, ${deleted} to delete, ${kept} kept, in ${uri}"
     return 0
   fi
-  # New and changed files (and the record) first, stale ones deleted after: stopped between, the
-  # prefix holds the new code whole, and a record never names a file to delete that it should not.
+  # New and changed files (and a record that still names the files to delete) first, stale ones
+  # deleted after, the final record last: stopped anywhere, the prefix holds the new code whole and
+  # its record names every file stage.sh put there, so a rerun deletes what is left.
   if [[ -n "$(ls -A "${WORK}/upload")" ]]; then
     aws_run "${uri}" s3 cp --recursive --only-show-errors "${WORK}/upload/" "${uri}"
   fi
-  if [[ -f "${WORK}/delete.json" ]]; then
-    aws_run "${uri}" s3api delete-objects --bucket "${bucket}" --delete "file://${WORK}/delete.json"
+  local request
+  for request in "${WORK}"/delete-*.json; do
+    [[ -f "${request}" ]] || continue  # no match: the glob itself
+    aws_run "${uri}" s3api delete-objects --bucket "${bucket}" --delete "file://${request}"
+  done
+  if [[ -f "${WORK}/final-record.json" ]]; then
+    aws_run "${uri}" s3 cp --only-show-errors "${WORK}/final-record.json" "${uri}${RECORD_KEY}"
   fi
   log "staged code: ${staged} files in ${uri} (${uploaded} uploaded, ${deleted} deleted, ${kept} kept)"
 }
@@ -190,7 +196,7 @@ main() {
   [[ -z "${model_dir}" ]] || check_model "${model_dir}"
   WORK=$(mktemp -d)
   trap 'rm -rf "${WORK}"' EXIT
-  lay_out_code "${code_uri}" "${code_dir}" "${excludes[@]}"
+  lay_out_code "${code_uri}" "${code_dir}" ${excludes[@]+"${excludes[@]}"}
   # Everything is checked: from here on, S3.
   stage_code "${code_uri}" "${delete}" "${dry_run}"
   [[ -z "${data_uri}" ]] ||

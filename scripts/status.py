@@ -65,15 +65,10 @@ class Unreadable(Exception):
 
 
 def printable(text: str, limit: int | None = MAX_TEXT, keep: str = "") -> str:
-    """TEXT for a terminal: every control or format character escaped (\\x1b, \\u202e), so a name or
-    a line from S3 cannot move the cursor, recolour or rewrite the screen; at most LIMIT characters."""
-    shown = "".join(c if c.isprintable() or c in keep else _escape(c) for c in text)
+    """TEXT for a terminal (contract.printable: control and format characters escaped), at most
+    LIMIT characters."""
+    shown = contract.printable(text, keep)
     return shown if limit is None or len(shown) <= limit else shown[:limit - 3] + "..."
-
-
-def _escape(char: str) -> str:
-    code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 # -- S3 -------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ that changes nothing, every check before the first upload, and S3 errors in one 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from podlab import BUCKET, ROOT, tool_env
+from s3_fault_proxy import FaultProxy
 
 STAGE = str(ROOT / "scripts" / "stage.sh")
 URI = f"s3://{BUCKET}/code/"
@@ -104,6 +106,25 @@ def test_delete_removes_only_what_an_earlier_staging_put_there_and_a_dry_run_cha
     assert "mypkg/layers/attention.py" not in after, "staged before and gone from the folder: deleted"
     assert after["notes.txt"] == b"by hand", "never staged by stage.sh: never deleted"
     assert {"my_train.py", "mypkg/__init__.py", "checkpoint.py"} <= set(after)
+
+
+def test_files_a_failed_delete_left_are_deleted_by_the_next_run(s3, s3_endpoint, tmp_path):
+    # Before: the record that went up with the code named the folder's files alone, so after a
+    # failed delete the stale file counted as the user's and no rerun ever deleted it.
+    folder = user_folder(tmp_path / "mycode")
+    assert stage(URI, "--code", str(folder)).returncode == 0
+    (folder / "mypkg" / "layers" / "attention.py").unlink()
+    with FaultProxy(upstream=s3_endpoint, error_rate=1.0, error_match="?delete") as proxy:
+        failed = stage(URI, "--code", str(folder), "--delete",
+                       env={**tool_env(), "AWS_ENDPOINT_URL": proxy.url, "AWS_MAX_ATTEMPTS": "1"})
+    assert failed.returncode == 75, failed.stdout + failed.stderr
+    assert "mypkg/layers/attention.py" in keys(s3) and "staged code" not in failed.stdout
+
+    again = stage(URI, "--code", str(folder), "--delete")
+    assert again.returncode == 0, again.stderr
+    after = keys(s3)
+    assert "mypkg/layers/attention.py" not in set(after), "staged before, left by the failed delete: deleted now"
+    assert "mypkg/layers/attention.py" not in json.loads(after[".stage-record.json"])["files"]
 
 
 def bad_folder(tmp_path: Path, case: str) -> list[str]:

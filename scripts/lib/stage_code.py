@@ -6,11 +6,13 @@
 
 `layout` walks SOURCE (a code folder, recursively, links followed), checks every name and file,
 and lists the result in WORK/layout.json (each file's path, size and MD5) with the runtime's
-checkpoint.py and contract.py beside it (unless SOURCE has its own). `plan` compares it with LISTING (list-objects-v2 JSON of PREFIX) and
-RECORD (what an earlier stage.sh staged there) and writes WORK/upload/ (new and changed files, and
-the new record) and WORK/delete.json (a delete-objects request, only with --delete), printing one
-line per file to upload or delete. Bad input: one line on stderr naming the file and the fix, exit
-64, before anything is uploaded.
+checkpoint.py and contract.py beside it (unless SOURCE has its own). `plan` compares it with LISTING
+(list-objects-v2 JSON of PREFIX) and RECORD (what an earlier stage.sh staged there), writes
+WORK/upload/ (new and changed files, and the record) and, only with --delete and something to
+delete, WORK/delete-NNN.json (delete-objects requests of at most 1000 keys) and
+WORK/final-record.json (the record once every delete succeeded), and prints one line per file to
+upload or delete. Bad input: one line on stderr naming the file and the fix, exit 64, before
+anything is uploaded.
 
 Why a record: files put in the prefix by other means (a user's own script, a package) must never
 be deleted; --delete removes only what an earlier stage.sh put there and the folder no longer has.
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "job"))  # after the libraries: job/ names no shadow
-from contract import EXIT_BAD_INPUT  # noqa: E402 - the exit codes' one definition
+from contract import EXIT_BAD_INPUT, printable  # noqa: E402 - the exit codes' one definition, the escaper
 RECORD_KEY = ".stage-record.json"
 RUNTIME_MODULES = ("checkpoint.py", "contract.py")
 # The pod syncs the code prefix into WORK_DIR, where these are its own folders (job/script.sh):
@@ -49,6 +51,7 @@ NOT_SECRET_SUFFIXES = (".example", ".sample", ".template", ".dist")
 MAX_NAME_BYTES = 255  # one path component, as Linux file systems allow
 MAX_KEY_BYTES = 1024  # an S3 key
 MAX_RECORD_BYTES = 4 << 20
+MAX_DELETE_KEYS = 1000  # per DeleteObjects request, S3's limit
 LARGE_BYTES = 100 << 20
 
 
@@ -259,40 +262,56 @@ def _is_relative_key(key: str) -> bool:
 
 def write_plan(work: Path, result: Plan, local: dict[str, dict], prefix: str, recorded: set[str]) -> None:
     """WORK/upload/ (new and changed files, and the record when it changes: one upload for all),
-    WORK/delete.json (only with deletions) and WORK/counts ("staged uploaded deleted kept")."""
+    with deletions WORK/delete-001.json... (delete-objects requests) and WORK/final-record.json, and
+    WORK/counts ("staged uploaded deleted kept")."""
     upload = work / "upload"
     upload.mkdir(exist_ok=True)
     for relative in result.new + result.changed:
         target = upload / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(local[relative]["path"], target)
-    if set(result.record) != recorded:
-        (upload / RECORD_KEY).write_text(json.dumps({"format": 1, "files": result.record}, indent=1))
+    # The record that goes up with the code still names the files to delete: should a delete fail,
+    # a rerun still knows them as stage.sh's. stage.sh uploads the final one after every delete.
+    uploaded_record = sorted(set(result.record) | set(result.delete))
+    if set(uploaded_record) != recorded:
+        _write_record(upload / RECORD_KEY, uploaded_record)
+    for number, request in enumerate(delete_requests(prefix, result.delete), start=1):
+        (work / f"delete-{number:03d}.json").write_text(json.dumps(request))
     if result.delete:
-        request = {"Objects": [{"Key": prefix + k} for k in result.delete], "Quiet": True}
-        (work / "delete.json").write_text(json.dumps(request))
+        _write_record(work / "final-record.json", result.record)
     staged = len(result.new) + len(result.changed) + len(result.unchanged)
     kept = len(result.stale) + len(result.foreign)
     (work / "counts").write_text(f"{staged} {len(result.new) + len(result.changed)} {len(result.delete)} {kept}\n")
 
 
+def delete_requests(prefix: str, keys: list[str]) -> list[dict]:
+    """delete-objects requests for KEYS, at most MAX_DELETE_KEYS each (S3 refuses more: MalformedXML)."""
+    return [{"Objects": [{"Key": prefix + k} for k in keys[start:start + MAX_DELETE_KEYS]], "Quiet": True}
+            for start in range(0, len(keys), MAX_DELETE_KEYS)]
+
+
+def _write_record(path: Path, files: list[str]) -> None:
+    path.write_text(json.dumps({"format": 1, "files": files}, indent=1))
+
+
 def show_plan(result: Plan, uri: str) -> None:
+    """One line per file to upload or delete; every key escaped (it may come from S3)."""
     for key in result.new:
-        print(f"  upload (new):     {key}")
+        print(f"  upload (new):     {printable(key)}")
     for key in result.changed:
-        print(f"  upload (changed): {key}")
+        print(f"  upload (changed): {printable(key)}")
     for key in result.delete:
-        print(f"  delete:           {key}")
+        print(f"  delete:           {printable(key)}")
     if result.unchanged:
         print(f"  unchanged:        {len(result.unchanged)} file(s)")
     if result.stale:
         print(f"  kept:             {_few(result.stale)} (staged before, no longer in the folder; --delete removes them)")
     if result.foreign:
-        print(f"  kept:             {_few(result.foreign)} (in {uri}, not put there by stage.sh: never deleted)")
+        print(f"  kept:             {_few(result.foreign)} (in {printable(uri)}, not put there by stage.sh: never deleted)")
 
 
 def _few(keys: list[str]) -> str:
-    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+    return ", ".join(map(printable, keys[:5])) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
 # -- command line ------------------------------------------------------------------------------

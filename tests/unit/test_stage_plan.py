@@ -131,3 +131,55 @@ def test_the_runtime_helpers_go_beside_a_trainer_that_has_none(tmp_path):
     layout = stage_code.Layout(files={"train.py": tmp_path / "train.py"})
     stage_code.add_runtime(layout, runtime, tmp_path)
     assert layout.files["checkpoint.py"] == (runtime / "checkpoint.py").resolve() and not layout.warnings
+
+
+def test_keys_from_s3_reach_the_terminal_escaped(capsys):
+    hostile = "evil\x1b[2J\x07\nforged line.py"
+    shown = "evil\\x1b[2J\\x07\\x0aforged line.py"
+    stage_code.show_plan(stage_code.Plan(new=[hostile], changed=[hostile], unchanged=[], delete=[hostile],
+                                         stale=[hostile], foreign=[hostile, "b\u202ec.py"], record=[]),
+                         "s3://bucket/code/")
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+    lines = out.splitlines()
+    assert len(lines) == 5 and all(shown in line for line in lines)
+    assert "b\\u202ec.py" in lines[-1]
+
+
+def planned(tmp_path, names: list[str], remote_names: list[str], recorded: set[str], delete: bool):
+    for name in names:
+        (tmp_path / name).write_text("")
+    mine = {n: {"size": 1, "md5": MD5, "path": str(tmp_path / n)} for n in names}
+    work = tmp_path / "work"
+    work.mkdir()
+    result = plan(mine, remote(*remote_names), recorded, delete)
+    stage_code.write_plan(work, result, mine, "code/", recorded)
+    return work
+
+
+def record_in(path) -> list[str]:
+    return json.loads(path.read_text())["files"]
+
+
+def test_the_record_uploaded_with_the_code_names_the_files_to_delete_until_every_delete_succeeded(tmp_path):
+    # A delete that fails after the code went up must leave a record that still names the stale
+    # files, or a rerun takes them for the user's and never deletes them.
+    work = planned(tmp_path, ["a.py"], ["a.py", "old.py"], recorded={"a.py", "old.py", "gone.py"}, delete=True)
+    assert record_in(work / "upload" / stage_code.RECORD_KEY) == ["a.py", "old.py"]
+    assert record_in(work / "final-record.json") == ["a.py"]
+    assert [p.name for p in work.glob("delete-*.json")] == ["delete-001.json"]
+
+
+def test_without_delete_there_is_no_request_and_no_final_record(tmp_path):
+    work = planned(tmp_path, ["a.py"], ["a.py", "old.py"], recorded={"a.py", "old.py"}, delete=False)
+    assert not list(work.glob("delete*.json")) and not (work / "final-record.json").exists()
+    assert not (work / "upload" / stage_code.RECORD_KEY).exists(), "the record is unchanged: not uploaded"
+
+
+def test_deletions_go_in_requests_of_at_most_1000_keys_as_s3_allows(tmp_path):
+    stale = [f"old/{i:04d}.py" for i in range(1200)]
+    work = planned(tmp_path, ["a.py"], ["a.py", *stale], recorded={"a.py", *stale}, delete=True)
+    requests = [json.loads(p.read_text()) for p in sorted(work.glob("delete*.json"))]
+    assert [len(r["Objects"]) for r in requests] == [1000, 200]
+    assert [o["Key"] for r in requests for o in r["Objects"]] == [f"code/{k}" for k in stale]
+    assert all(r["Quiet"] for r in requests)
