@@ -172,7 +172,8 @@ one_pod() {
   local first=$!
   wait_for_pod_event "${first}" uploaded step="${KILL_AT}"
   sleep 2
-  kill -KILL "$(cat "${DEMO}/pod-1.pid")"
+  kill -KILL "$(cat "${DEMO}/pod-1.pid")" 2>/dev/null ||
+    die "pod 1 finished before its node could be lost; give it more steps past --kill-at ${KILL_AT} (--train-args)"
   wait "${first}" || true
   say "node lost (SIGKILL to the pod's PID 1). S3 holds these committed checkpoints:"
   aws s3 ls --recursive "${RUN_URI}checkpoints/" | grep manifest.json
