@@ -12,8 +12,11 @@ fails or is not reached within --budget leaves its keys null with the reason in 
               over the trainer part's run (no checkpoint) in the same window
   sigterm     job/torchrun.py with one process (one GPU): SIGTERM to exit, the step
               committed; the same command resumes there (and is stopped once more)
-  finetune    code/finetune.py (bf16 on a GPU) on a random Llama made here, LoRA and full side by
-              side: SIGTERM, then the same command resumes at the committed step and finishes
+  finetune    code/finetune.py (bf16 on a GPU) on a random Llama made here, LoRA, full and full under
+              FSDP (torchrun, one process) side by side: SIGTERM, then the same command resumes at
+              the committed step and finishes
+  fsdp        train.py with train.parallelism: fsdp through job/torchrun.py (one process; NCCL on a
+              GPU): SIGTERM, the sharded step committed, the same command resumes there
   probe       the micro-batch probe (code/speed.py), train.py with train.micro_batch: auto, and the
               bare loop at the micro-batch it picks (its peak memory)
   candidates  train.py with each speed setting alone, over the trainer part's run, while --budget lasts
@@ -68,7 +71,7 @@ class Mode:
 
 GPU = Mode("gpu", trainer_steps=30, stall_target_s=10.0, bare_steps=10, candidate_steps=20, sigterm_nproc=1,
            finetune={"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4, "block": 256, "batch": 8},
-           finetune_methods=("lora", "full"), budget_s=450)
+           finetune_methods=("lora", "full", "fsdp"), budget_s=450)
 CPU = Mode("cpu", trainer_steps=15, stall_target_s=0.5, bare_steps=5, candidate_steps=10, sigterm_nproc=1,
            finetune={"hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2, "block": 32, "batch": 4},
            finetune_methods=("lora",), budget_s=900)  # full: the same code, a --set (tests/test_finetune.py runs it)
@@ -439,34 +442,73 @@ def stop_save_seconds(trace: Trace, step: int | None) -> float | None:
     return next((c.get("seconds") for c in trace.all("checkpoint") if c.get("step") == step), None)
 
 
+def part_fsdp(bench: Bench) -> dict:
+    """train.py's sharded path (FSDP2, DCP shards, manifest last) stopped and resumed by the same command."""
+    sets = base_sets(100000, 1) + ["train.parallelism=fsdp"]
+    first = bench.train("fsdp", sets, stop_at_step=4, torchrun=1)
+    stopped = checked_stop(first, bench.work / "fsdp", "the first FSDP start")
+    again = bench.train("fsdp", sets, stop_at_step=1, torchrun=1)
+    resumed = (again.first("resumed") or {}).get("step")
+    if resumed != stopped:
+        raise RuntimeError(f"the same command resumed at step {resumed}, the stop committed {stopped}: {again.tail()}")
+    checked_stop(again, bench.work / "fsdp", "the resumed FSDP start")
+    backend = "NCCL" if bench.mode.cuda else "no process group"
+    return {"gpu_fsdp_train_resume": figure(
+        "gpu_fsdp_train_resume", resumed, f"train.py, train.parallelism: fsdp, `job/torchrun.py --nproc_per_node=1` "
+        f"({backend}; {describe(bench)}): SIGTERM at its 4th step, then the same command; value: the step it "
+        f"resumed at; floor: the step the stop committed", stopped,
+        sigterm_to_exit_s=[first.ended - first.stop_sent, again.ended - again.stop_sent],
+        saves=[stop_save_seconds(first, stopped),
+               stop_save_seconds(again, (again.first("stopped") or {}).get("step"))],
+        exit_codes=[first.code, again.code])}
+
+
 def part_finetune(bench: Bench) -> dict:
     lab = bench.work / "finetune"
     shape = bench.mode.finetune
     make_finetune_lab(lab, shape)
     methods = bench.mode.finetune_methods
     with ThreadPoolExecutor(2) as pool:  # side by side: each is mostly a process start
-        results = dict(zip(methods, pool.map(lambda method: finetune_resume(bench, lab, method), methods)))
-    figures = {f"gpu_finetune_{method}_resume": unmeasured(f"gpu_finetune_{method}_resume", "GPU only: the CPU mode "
-                                                           "fine-tunes with LoRA alone (a shorter run)")
-               for method in ("lora", "full") if method not in methods}
+        results = dict(zip(methods, pool.map(lambda method: failure_or(finetune_resume, bench, lab, method), methods)))
+    figures = {f"gpu_finetune_{method}_resume": unmeasured(f"gpu_finetune_{method}_resume", NOT_ON_CPU[method])
+               for method in FINETUNE_METHODS if method not in methods}
     for method, got in results.items():
         key = f"gpu_finetune_{method}_resume"
+        if isinstance(got, Exception):  # one method's failure is its key's reason, not the others'
+            figures[key] = unmeasured(key, f"finetune {method} failed: {type(got).__name__}: {str(got)[:300]}")
+            continue
         figures[key] = figure(
-            key, got["resumed_at"], f"code/finetune.py, {method}, {got['dtype']}, a random Llama of {shape['layers']} "
-            f"layers of {shape['hidden']} made here: SIGTERM at its 3rd step, then the same command; value: the step "
-            f"it resumed at and finished from (step {got['final']}); floor: the step the stop committed",
+            key, got["resumed_at"], f"code/finetune.py, {FINETUNE_METHODS[method]}, {got['dtype']}, a random Llama of "
+            f"{shape['layers']} layers of {shape['hidden']} made here: SIGTERM at its 3rd step, then the same command; "
+            f"value: the step it resumed at and finished from (step {got['final']}); floor: the step the stop committed",
             got["stopped_at"], **{k: v for k, v in got.items() if k not in ("resumed_at", "stopped_at")})
     return figures
+
+
+FINETUNE_METHODS = {"lora": "LoRA", "full": "full", "fsdp": "full, train.parallelism: fsdp under job/torchrun.py "
+                                                           "(one process)"}
+NOT_ON_CPU = {"full": "GPU only: the CPU mode fine-tunes with LoRA alone (a shorter run)",
+              "fsdp": "GPU only: accelerate shards a Trainer's model only across GPUs (finetune.py exits 64 on a CPU)"}
 
 
 FINETUNE_STEPS = 6
 
 
+def failure_or(function, *args):
+    try:
+        return function(*args)
+    except Exception as error:  # noqa: BLE001 - returned: the caller records it as that run's reason
+        return error
+
+
 def finetune_resume(bench: Bench, lab: Path, method: str) -> dict:
     out = lab / f"out-{method}"
-    command = [sys.executable, str(CODE / "finetune.py"), "--config", str(lab / "finetune.yaml"), "--model_dir",
-               str(lab / "model"), "--data_dir", str(lab / "data"), "--output_dir", str(out), "--set",
-               f"model.method={method}"]
+    sets = ["model.method=full", "train.parallelism=fsdp"] if method == "fsdp" else [f"model.method={method}"]
+    launcher = ([sys.executable, str(JOB / "torchrun.py"), "--standalone", "--nproc_per_node=1"] if method == "fsdp"
+                else [sys.executable])
+    command = launcher + [str(CODE / "finetune.py"), "--config", str(lab / "finetune.yaml"), "--model_dir",
+                          str(lab / "model"), "--data_dir", str(lab / "data"), "--output_dir", str(out)]
+    command += [item for s in sets for item in ("--set", s)]
     first = stream(command, bench.env(), bench.left(), stop_at_step=3)
     stopped = checked_stop(first, out, f"finetune {method}")
     again = stream(command, bench.env(), bench.left())
@@ -560,7 +602,7 @@ def bare_words(bench: Bench) -> str:
 
 
 # The issue's aims first (MFU, stall, SIGTERM, fine-tune), then what searches for more speed.
-PARTS = ("trainer", "bare", "stall", "sigterm", "finetune", "probe", "candidates")
+PARTS = ("trainer", "bare", "stall", "sigterm", "finetune", "fsdp", "probe", "candidates")
 PART_KEYS = {
     "trainer": ("gpu_trainer_tokens_per_s", "gpu_trainer_mfu"),
     "bare": ("gpu_bare_tokens_per_s",),
@@ -568,11 +610,13 @@ PART_KEYS = {
               "gpu_trainer_auto_tokens_per_s", "gpu_trainer_auto_mfu"),
     "stall": ("gpu_checkpoint_stall", "gpu_checkpoint_stall_sync", "gpu_last_save_wait_s"),
     "sigterm": ("gpu_sigterm_to_exit_s",),
-    "finetune": ("gpu_finetune_lora_resume", "gpu_finetune_full_resume"),
+    "finetune": ("gpu_finetune_lora_resume", "gpu_finetune_full_resume", "gpu_finetune_fsdp_resume"),
+    "fsdp": ("gpu_fsdp_train_resume",),
     "candidates": tuple(key for key, _, _ in CANDIDATES),
 }
 # What a part needs left of --budget to be started on a GPU (seconds; a compile is ~40 s cold).
-PART_MIN_S = {"trainer": 90, "bare": 40, "probe": 100, "stall": 90, "sigterm": 50, "finetune": 50, "candidates": 60}
+PART_MIN_S = {"trainer": 90, "bare": 40, "probe": 100, "stall": 90, "sigterm": 50, "finetune": 50, "fsdp": 60,
+              "candidates": 60}
 
 
 def measure(mode: Mode, work: Path, budget_s: float, only: list[str], after_each=lambda figures: None) -> dict:
@@ -608,7 +652,7 @@ def measure(mode: Mode, work: Path, budget_s: float, only: list[str], after_each
 
 
 PART_RUNNERS = {"trainer": part_trainer, "bare": part_bare, "probe": part_probe, "stall": part_stall,
-                "sigterm": part_sigterm, "finetune": part_finetune}
+                "sigterm": part_sigterm, "finetune": part_finetune, "fsdp": part_fsdp}
 
 
 # -- the workers (each a process of its own) -------------------------------------------------------

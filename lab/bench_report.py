@@ -58,6 +58,8 @@ GPU_KEYS: dict[str, tuple[str, tuple[str, str, float] | None]] = {
     "gpu_sigterm_to_exit_s": ("s", ("value", LE, 5.0)),
     "gpu_finetune_lora_resume": ("step", ("ratio", GE, 1.0)),
     "gpu_finetune_full_resume": ("step", ("ratio", GE, 1.0)),
+    "gpu_finetune_fsdp_resume": ("step", ("ratio", GE, 1.0)),
+    "gpu_fsdp_train_resume": ("step", ("ratio", GE, 1.0)),
     "gpu_candidate_loss_chunk": ("tokens/s", None),
     "gpu_candidate_auto_loss_chunk": ("tokens/s", None),
     "gpu_candidate_attention_flash": ("tokens/s", None),

@@ -23,7 +23,7 @@ BENCHMARK = [sys.executable, str(ROOT / "lab" / "benchmark.py"), "gpu", "--cpu"]
 TOKENS_KEYS = ("gpu_trainer_tokens_per_s", "gpu_bare_tokens_per_s", "gpu_bare_best_tokens_per_s",
                "gpu_trainer_auto_tokens_per_s", "gpu_checkpoint_stall", "gpu_checkpoint_stall_sync",
                "gpu_candidate_loss_chunk")
-GPU_ONLY = ("gpu_finetune_full_resume", "gpu_trainer_mfu", "gpu_trainer_auto_mfu", "gpu_micro_batch_peak_bytes",
+GPU_ONLY = ("gpu_finetune_full_resume", "gpu_finetune_fsdp_resume", "gpu_trainer_mfu", "gpu_trainer_auto_mfu", "gpu_micro_batch_peak_bytes",
             "gpu_candidate_attention_flash", "gpu_candidate_attention_cudnn", "gpu_candidate_reduce_overhead",
             "gpu_candidate_max_autotune")
 
@@ -52,6 +52,9 @@ def test_gpu_check_dry_path_runs_every_part_and_measures_what_a_cpu_can(tmp_path
     finetune = figures["gpu_finetune_lora_resume"]
     assert finetune["value"] == finetune["floor"] and finetune["value"] is not None, finetune["how"]
     assert finetune["detail"]["final"] == 6 and finetune["detail"]["exit_codes"] == [143, 0], finetune
+    fsdp = figures["gpu_fsdp_train_resume"]  # train.py's sharded checkpoint, stopped and resumed
+    assert fsdp["value"] == fsdp["floor"] and fsdp["value"] is not None, fsdp["how"]
+    assert all(seconds is not None for seconds in fsdp["detail"]["saves"]), "each stop saved a step"
     probe = figures["gpu_micro_batch"]
     assert probe["detail"]["tried"][-1] > probe["value"] > probe["floor"], "the probe backed off from its last try"
     stall = figures["gpu_checkpoint_stall"]["detail"]
