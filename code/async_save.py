@@ -32,6 +32,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from multiprocessing import reduction
 from pathlib import Path
@@ -524,11 +525,21 @@ def saved_in_process(save: Callable[[], Path | None]) -> tuple:
     except OSError as err:
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
             return ("nospace", str(err))
-        return ("error", f"{type(err).__name__}: {err}")
+        return ("error", f"{type(err).__name__}: {err}{raised_at(err)}")
     except Exception as err:  # noqa: BLE001 - any failure is reported to the trainer, which stops
-        return ("error", f"{type(err).__name__}: {err}")
+        return ("error", f"{type(err).__name__}: {err}{raised_at(err)}")
     committed = time.monotonic()
     return ("ok", folder_bytes(final) if final else 0, committed - started, committed)
+
+
+def raised_at(err: BaseException) -> str:
+    """Where `err` was raised (the innermost frame): in the save process there is no traceback to
+    read, and a bare "TypeError: 'NoneType' object is not subscriptable" says nothing of where."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" (raised at {Path(last.filename).name}:{last.lineno} in {last.name})"
 
 
 @contextlib.contextmanager

@@ -187,11 +187,13 @@ class SaveJob:
 
 
 class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer (one file per rank, fsynced), noting the names of the files it wrote."""
+    """DCP's file writer (one file per rank, fsynced), noting the names of the files it wrote and,
+    on the coordinator, where each item went (the .metadata file's storage_data)."""
 
     def __init__(self, path: Path):
         super().__init__(path, single_file_per_rank=True, sync_files=True)
         self.written: list[str] = []
+        self.storage_data: dict | None = None
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
@@ -200,6 +202,7 @@ class _Writer(dcp.FileSystemWriter):
 
     def finish(self, metadata, results) -> None:
         super().finish(metadata, results)
+        self.storage_data = {result.index: result.storage_data for part in results for result in part}
         self.written = [*self.written, METADATA]
 
 
@@ -215,6 +218,9 @@ def write_and_commit(job: SaveJob, shards: dict[str, DTensor], train_state: dict
         writer = _Writer(staging)
         with without_crc32():
             metadata = dcp_call(dcp.save, shards, storage_writer=writer, process_group=group)
+        # torch 2.11's writer puts storage_data on a copy of the metadata (the one in .metadata), so
+        # the Metadata that save() returns has none there: every rank takes the coordinator's.
+        metadata = dataclasses.replace(metadata, storage_data=_broadcast(group, job.world, writer.storage_data))
         mine = _entries(staging, writer.written)
         reads = files_read(shards, metadata, job.rank == 0)
         ranks = _all_gather(group, job.world, (job.same_disk, mine, reads))

@@ -171,3 +171,15 @@ def test_the_first_save_takes_the_reserved_buffer_when_the_state_fits_and_alloca
         saver.close()
     assert written == saved(model), "the same bytes as torch.save of the live state"
     assert torch.load(tmp_path / "reserved" / "step-00000001" / "state.pt", weights_only=True)["step"] == 7
+
+
+def test_a_failed_save_says_where_it_failed():
+    # the save process has no traceback to show: "TypeError: 'NoneType' object is not subscriptable"
+    # alone sent an FSDP failure on a GPU back for a second run to find where
+    def save():
+        return None["shards"]
+
+    outcome, why = async_save.saved_in_process(save)
+    assert outcome == "error"
+    assert why.startswith("TypeError: 'NoneType' object is not subscriptable (raised at test_async_save.py:")
+    assert why.endswith(" in save)")

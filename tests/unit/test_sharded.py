@@ -160,3 +160,25 @@ def test_a_checkpoint_resumes_only_under_the_parallelism_it_was_saved_with(meta,
     with pytest.raises(config.ConfigError) as raised:
         check_same_parallelism(meta, parallelism, "step-00000005")
     assert str(raised.value) == problem
+
+
+def test_a_save_commits_when_dcp_save_returns_metadata_without_where_the_items_went(one_rank_mesh, tmp_path,
+                                                                                       monkeypatch):
+    # torch 2.11's FileSystemWriter.finish fills storage_data on a copy of the metadata (the one it
+    # writes to .metadata): save() returns metadata without it. Every FSDP save failed there
+    # (TypeError in files_read), on the H100 and on a CPU alike.
+    import dataclasses
+
+    from torch.distributed.tensor import Shard
+
+    writes_a_copy = sharded.dcp.FileSystemWriter.finish
+    monkeypatch.setattr(sharded.dcp.FileSystemWriter, "finish",
+                        lambda self, metadata, results: writes_a_copy(self, dataclasses.replace(metadata), results))
+    final = tmp_path / "step-00000001"
+    staging = checkpoint.staging_path(final)
+    staging.mkdir()
+    job = sharded.SaveJob(str(tmp_path), final.name, str(staging), 0, 1, True, {"step": 1}, False, 2)
+    shards = {"model.w": sharded.DTensor.from_local(torch.arange(4.0), one_rank_mesh, [Shard(0)])}
+    assert sharded.write_and_commit(job, shards, {"step": 1}, None) == final
+    assert checkpoint.verify(final) is None
+    assert checkpoint.read_manifest(final)["meta"]["shards"]["reads"] == [["__0_0.distcp"]]
