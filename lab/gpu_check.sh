@@ -10,7 +10,7 @@
 #                                    (--only PART..., --budget S; default budget 420 s)
 #   lab/gpu_check.sh --cpu           the dry path: the CPU mode's tiny model (any machine, ~3 minutes)
 #
-# Through the device tool, one call: command "lab/gpu_check.sh", carry [".whl"], timeout_s 560.
+# Through the device tool, one call: command "lab/gpu_check.sh --budget 480", carry [".whl"], timeout_s 590.
 # It writes, under $OUT (a temporary folder when unset): gpu.json (rewritten after each part, so a
 # run cut short keeps what it measured), gpu.log (the benchmark's output), runs.log (every trainer's
 # output), machine.txt (nvidia-smi, python, torch and the libraries found).
