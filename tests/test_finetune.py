@@ -348,9 +348,9 @@ def test_pod_finetune_resumes_after_a_lost_node_bitwise_exact(s3, s3_endpoint, t
 
     from podlab import BUCKET, ROOT, Run, tool_env, wait_until
 
-    steps = 300
+    steps = 120  # the first upload is in S3 by step ~40 here: the node is lost well before the end
     settings = CONFIG.replace(f"max_steps: {MAX_STEPS}", f"max_steps: {steps}").replace(
-        f"interval: {INTERVAL}\n  keep", "interval: 20\n  keep")
+        f"interval: {INTERVAL}\n  keep", "interval: 10\n  keep")
     subprocess.run([str(ROOT / "scripts" / "stage.sh"), f"s3://{BUCKET}/code/"], check=True,
                    capture_output=True, env=tool_env())
     s3.put_object(Bucket=BUCKET, Key="code/config/ft.yaml", Body=settings.encode())
@@ -367,6 +367,7 @@ def test_pod_finetune_resumes_after_a_lost_node_bitwise_exact(s3, s3_endpoint, t
                       300), pod.output
     lost_after = run.committed_steps()
     assert pod.lose_node(), pod.output
+    print(f"\nnode lost with {lost_after} in S3, at step {max(e['step'] for e in pod.events if e['event'] == 'step')}")
     pod.wait()
     code, pod = run.run(**env)
     assert code == 0, pod.output
