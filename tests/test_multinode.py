@@ -149,7 +149,7 @@ def test_a_group_trains_once_to_the_end_and_node_0_lost_in_its_final_upload_brin
     # replace node 0 alone, and a group of one never meets again.
     reference = one_pod_two_processes(group_run, tmp_path / "reference")
     job = start_group(group_run, "g1")
-    node0, node1 = job.pod(0), job.pod(1)
+    node0 = job.pod(0)
     node0.wait_for_event("phase", timeout=300, name="final upload", state="start", trainer_exit=0)
     assert job.pod(0).lose_node()
     assert_complete_and_equal(group_run, job, reference)
