@@ -76,26 +76,31 @@ def assert_trained_to_the_end(run: Run, model: bytes) -> None:
     assert run.read(f"checkpoints/step-{STEPS:08d}/model.pt") == model, "bitwise equal to 1 pod x 2 processes"
 
 
-def test_jobset_a_lost_node_restarts_both_pods_once_and_the_run_ends_bitwise_equal(group_run, groups, tmp_path):
+def test_jobset_a_preemption_restarts_both_pods_uncounted_a_lost_node_counted_and_the_run_ends_bitwise_equal(
+        group_run, groups, tmp_path):
     model = reference(group_run, tmp_path / "reference")
     jobset = start(group_run, "jobset")
     groups.append(jobset)
     jobset.pod(0).wait_for_event("uploaded", timeout=300)
-    assert jobset.pod(1).lose_node()
+    jobset.delete(1)  # a preemption of pod 1's node: DisruptionTarget, SIGTERM
+    jobset.wait_for_pod(0, 2, timeout=180).wait_for_event("step", timeout=300)  # the next group trains
+    assert jobset.wait_for_pod(1, 2).lose_node()
     state = jobset.wait(timeout=600)
+    print(f"\nJobSet preempted, then a node lost: failures {jobset.failures}; history {jobset.history}")
     assert state == ("Completed", "AllJobsCompleted"), (jobset.failures, jobset.history, jobset.output(0)[-3000:])
+    # The preemption matches the JobSet's DisruptionTarget rule: RestartJobSetAndIgnoreMaxRestarts.
     # SIGKILL matches no FailJob rule of the child Job (backoffLimit 0) and no JobSet rule: RestartJobSet, counted.
-    assert [f[:3] for f in jobset.failures] == [(0, "BackoffLimitExceeded", local_job.BACKOFF_LIMIT_MESSAGE)]
-    assert (jobset.restarts, jobset.counted_restarts) == (1, 1)
-    assert [jobset.attempts(0), jobset.attempts(1)] == [2, 2], "both pods recreated, not only the lost one"
-    assert jobset.history[0] == (1, 137, "counted"), jobset.history
-    second = jobset.children[1]
-    assert local_job.local_pod.load_job(second.manifest)["spec"]["template"]["metadata"]["annotations"][
-        local_job.RESTART_ATTEMPT] == "1"
-    node0, node1 = jobset.pod(0), jobset.pod(1)
-    assert "pod g1-node-0-0 (node 0 of 2) starting" in node0.output
-    assert "pod g1-node-0-1 (node 1 of 2) starting" in node1.output
-    assert node0.wait_for_event("resumed", timeout=5)["step"] > 0, "the group went on from S3, not from step 0"
+    assert [f[3] for f in jobset.failures] == ["restart (not counted)", "restart (counted)"], jobset.failures
+    assert jobset.failures[1][:3] == (1, "BackoffLimitExceeded", local_job.BACKOFF_LIMIT_MESSAGE), jobset.failures
+    assert (jobset.restarts, jobset.counted_restarts) == (2, 1)
+    assert [jobset.attempts(0), jobset.attempts(1)] == [3, 3], "both pods recreated each time, not only the lost one"
+    assert [h for h in jobset.history if h[2] == "counted"] == [(1, 137, "counted")], jobset.history
+    assert [local_job.local_pod.load_job(child.manifest)["spec"]["template"]["metadata"]["annotations"][
+        local_job.RESTART_ATTEMPT] for child in jobset.children] == ["0", "1", "2"]
+    for node0, node1 in zip(jobset.pods(0), jobset.pods(1)):
+        assert "pod g1-node-0-0 (node 0 of 2) starting" in node0.output
+        assert "pod g1-node-0-1 (node 1 of 2) starting" in node1.output
+    assert jobset.pod(0).wait_for_event("resumed", timeout=5)["step"] > 0, "the group went on from S3, not from step 0"
     assert_trained_to_the_end(group_run, model)
 
 
@@ -118,20 +123,6 @@ def test_trainjob_a_lost_node_restarts_its_jobset_and_the_run_resumes_and_ends_b
     assert "pod g1-node-0-1 (node 1 of 2) starting" in node1.output
     assert node0.wait_for_event("resumed", timeout=5)["step"] > 0, "the group went on from S3, not from step 0"
     assert_trained_to_the_end(group_run, model)
-
-
-def test_jobset_a_preempted_pod_restarts_the_group_without_counting_it(group_run, groups, tmp_path):
-    model = reference(group_run, tmp_path / "reference")
-    jobset = start(group_run, "jobset")
-    groups.append(jobset)
-    jobset.pod(0).wait_for_event("uploaded", timeout=300)
-    jobset.delete(1)  # a preemption of pod 1's node: DisruptionTarget, SIGTERM
-    state = jobset.wait(timeout=600)
-    print(f"\nJobSet preemption: failures {jobset.failures}; history {jobset.history}")
-    assert state == ("Completed", "AllJobsCompleted"), (jobset.failures, jobset.history)
-    assert jobset.restarts == 1
-    assert_trained_to_the_end(group_run, model)
-    assert jobset.counted_restarts == 0, f"a preemption counted against maxRestarts: {jobset.failures}"
 
 
 def test_pytorchjob_a_worker_lost_before_the_first_step_is_recreated_and_the_run_ends_bitwise_equal(
