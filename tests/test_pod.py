@@ -44,7 +44,8 @@ def reference_sha(finished):
 def copy_run(run: Run, source: Run) -> None:
     """Everything under source's prefix, copied under run's (S3 to S3)."""
     for key in source.keys():
-        run.s3.copy_object(Bucket=BUCKET, Key=run.prefix + key, CopySource={"Bucket": BUCKET, "Key": source.prefix + key})
+        run.s3.copy_object(Bucket=BUCKET, Key=run.prefix + key,
+                           CopySource={"Bucket": BUCKET, "Key": source.prefix + key})
 
 
 def test_happy_path_ends_with_complete(finished):
