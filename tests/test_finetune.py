@@ -331,59 +331,6 @@ def test_a_plain_trainer_script_with_the_four_lines_resumes_exactly(tmp_path, la
     assert sha256(final_weights(out, "full")) == sha256(final_weights(tmp_path / "reference", "full"))
 
 
-# -- through the real job.yaml ------------------------------------------------------------------------
-
-POD_JOB_DIR = Path(__file__).resolve().parents[1] / "job"
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")
-def test_pod_finetune_resumes_after_a_lost_node_bitwise_exact(s3, s3_endpoint, tmp_path, tool_path, lab):
-    """finetune.py as the pod's trainer (TRAIN_SCRIPT, S3_MODEL_URI): the node is lost once a
-    checkpoint is in S3, the Job's next pod restores it and finishes; the adapter in S3 equals an
-    uninterrupted local run's."""
-    if "TRAIN_SCRIPT" not in (POD_JOB_DIR / "script.sh").read_text():
-        pytest.skip("job/script.sh does not run TRAIN_SCRIPT yet (the lead wires it)")
-    import subprocess
-
-    from podlab import BUCKET, ROOT, Run, tool_env, wait_until
-
-    steps = 300
-    settings = CONFIG.replace(f"max_steps: {MAX_STEPS}", f"max_steps: {steps}").replace(
-        f"interval: {INTERVAL}\n  keep", "interval: 20\n  keep")
-    subprocess.run([str(ROOT / "scripts" / "stage.sh"), f"s3://{BUCKET}/code/"], check=True,
-                   capture_output=True, env=tool_env())
-    s3.put_object(Bucket=BUCKET, Key="code/config/ft.yaml", Body=settings.encode())
-    for folder, prefix in ((lab / "model", "models/tiny/"), (lab / "data", "ftdata/")):
-        for path in folder.iterdir():
-            s3.upload_file(str(path), BUCKET, prefix + path.name)
-    run = Run(s3, s3_endpoint, tmp_path / "run", name="ft")
-    run.data_uri = f"s3://{BUCKET}/ftdata/"
-    env = {"TRAIN_SCRIPT": "finetune.py", "S3_MODEL_URI": f"s3://{BUCKET}/models/tiny/",
-           "TRAIN_CONFIG": "config/ft.yaml"}
-
-    pod = run.start(**env)
-    assert wait_until(lambda: any(0 < s < steps for s in run.committed_steps()) or pod.proc.poll() is not None,
-                      300), pod.output
-    lost_after = run.committed_steps()
-    assert pod.lose_node(), pod.output
-    pod.wait()
-    code, pod = run.run(**env)
-    assert code == 0, pod.output
-    resumed = int(re.search(r"resuming from step-(\d+)", pod.output).group(1))
-    assert lost_after[0] <= resumed < steps  # what S3 held when the node went (or one uploaded since)
-    assert "COMPLETE" in run.keys()
-
-    (tmp_path / "ft.yaml").write_text(settings)
-    reference = tmp_path / "reference"
-    code, output = run_until([sys.executable, str(CODE / "finetune.py"), "--config", str(tmp_path / "ft.yaml"),
-                              "--model_dir", str(lab / "model"), "--data_dir", str(lab / "data"),
-                              "--output_dir", str(reference)])
-    assert code == 0, output
-    in_s3 = run.read(f"checkpoints/{checkpoint.step_dir_name(steps)}/{WEIGHTS['lora']}")
-    assert in_s3 == (reference / "checkpoints" / checkpoint.step_dir_name(steps) / WEIGHTS["lora"]).read_bytes()
-
-
 # -- bad input ----------------------------------------------------------------------------------------
 
 def _without_text_field(lab: Path, tmp: Path) -> list[str]:

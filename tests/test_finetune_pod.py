@@ -1,6 +1,7 @@
 """The pod runs code/finetune.py (TRAIN_SCRIPT) on a model snapshot from S3 (S3_MODEL_URI), through
 the real job.yaml: a pod SIGKILLed once a checkpoint is in S3, then the next pod resumes from it
-and completes. And the bad input S3_MODEL_URI can be: an empty prefix."""
+and completes, its adapter bitwise equal to an uninterrupted run's; a pod deleted mid-run commits
+its step and the next redoes none. And the bad input S3_MODEL_URI can be: an empty prefix."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,7 @@ pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate 
 pytest.importorskip("peft", reason="LoRA needs peft (pin it in requirements.txt)")
 
 from finetune_lab import make_jsonl, make_snapshot  # noqa: E402
+from helpers import CODE, run_until  # noqa: E402
 from podlab import BUCKET, ROOT, Run, tool_env  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="the pod runner needs root")]
@@ -78,6 +81,19 @@ def test_finetune_pod_killed_after_a_checkpoint_resumes_from_s3_and_completes(fi
                                                                                          MAX_STEPS, 2), row
     assert row["train_loss"] is not None and row["val_loss"] is not None, row
     assert any(key.startswith("tensorboard/") and "tfevents" in key for key in run.keys()), "events went up"
+    adapter = f"checkpoints/step-{MAX_STEPS:08d}/adapter_model.safetensors"
+    assert run.read(adapter) == (uninterrupted(run.folder) / adapter).read_bytes(), "bitwise equal"
+
+
+def uninterrupted(folder: Path) -> Path:
+    """The same fine-tune (the fixture's snapshot and data) run once in one go by finetune.py alone."""
+    (folder / "ft.yaml").write_text(CONFIG)
+    out = folder / "reference"
+    code, output = run_until([sys.executable, str(CODE / "finetune.py"), "--config", str(folder / "ft.yaml"),
+                              "--model_dir", str(folder / "snapshot"), "--data_dir", str(folder / "data"),
+                              "--output_dir", str(out)])
+    assert code == 0, output
+    return out
 
 
 def test_empty_model_prefix_is_bad_input(finetune_run):

@@ -77,18 +77,6 @@ def assert_complete_and_equal(run: Run, job, reference: bytes) -> None:
     assert run.read(f"checkpoints/step-{STEPS:08d}/model.pt") == reference, "bitwise equal to 1 pod x 2 processes"
 
 
-def test_a_group_of_two_pods_trains_once_and_ends_like_one_pod_of_two_processes(group_run, tmp_path):
-    job = start_group(group_run, "g1")
-    reference = one_pod_two_processes(group_run, tmp_path / "reference")
-    assert_complete_and_equal(group_run, job, reference)
-    node0, node1 = job.pod(0), job.pod(1)
-    assert [e["state"] for e in node0.events if e["event"] == "lease"] == ["held"]
-    assert not [e for e in node1.events if e["event"] in ("lease", "uploaded", "complete")], "one writer"
-    assert node1.wait_for_event("phase", name="wait for node 0", state="done")
-    assert job.history == [(0, 0, "succeeded"), (1, 0, "succeeded")] or sorted(job.history) == [
-        (0, 0, "succeeded"), (1, 0, "succeeded")]
-
-
 def kill_and_time(job, index: int, at_step: int) -> float:
     """SIGKILL pod INDEX once node 0 has put step AT_STEP or a later one in S3; seconds until the
     group trains again. (The uploader may skip a step the trainer already pruned: hence "or later".)"""
@@ -154,15 +142,24 @@ def test_two_groups_on_one_prefix_one_trains_the_other_waits(group_run):
     assert [code for _, code, _ in second.history] == [143, 143], "a deleted pod says it was stopped"
 
 
-def test_node_0_lost_in_its_final_upload_brings_back_the_node_that_had_finished(group_run, tmp_path):
+def test_a_group_trains_once_to_the_end_and_node_0_lost_in_its_final_upload_brings_back_the_finished_node(
+        group_run, tmp_path):
+    # The first group trains the whole run as a clean run does: one lease, one writer, every step.
     # Node 1 trained to the end before node 0's final upload: were it to exit 0 then, the Job would
     # replace node 0 alone, and a group of one never meets again.
     reference = one_pod_two_processes(group_run, tmp_path / "reference")
     job = start_group(group_run, "g1")
-    job.pod(0).wait_for_event("phase", timeout=300, name="final upload", state="start", trainer_exit=0)
+    node0 = job.pod(0)
+    node0.wait_for_event("phase", timeout=300, name="final upload", state="start", trainer_exit=0)
     assert job.pod(0).lose_node()
     assert_complete_and_equal(group_run, job, reference)
-    assert (0, 137, "counted") in job.history and (1, 138, "ignored") in job.history, job.history
+    assert [e["step"] for e in node0.events if e["event"] == "step"] == list(range(1, STEPS + 1)), "trained once"
+    assert [e["state"] for e in node0.events if e["event"] == "lease"] == ["held"]
+    for node in job.pods(1):
+        assert not [e for e in node.events if e["event"] in ("lease", "uploaded", "complete")], "one writer"
+        assert node.wait_for_event("phase", name="wait for node 0", state="done", timeout=5)
+    assert job.history[:2] in ([(0, 137, "counted"), (1, 138, "ignored")],
+                               [(1, 138, "ignored"), (0, 137, "counted")]), job.history
     assert job.history[-2:] in ([(0, 0, "succeeded"), (1, 0, "succeeded")],
                                 [(1, 0, "succeeded"), (0, 0, "succeeded")]), job.history
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 from pathlib import Path
 
@@ -16,27 +17,39 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="th
 MAX_STEPS = 60
 
 
+@pytest.fixture
+def run(module_s3, s3_endpoint, tmp_path, request):
+    """A run of its own prefix in the module's S3 (reset once: the finished run below is shared)."""
+    name = re.sub(r"[^a-z0-9]+", "-", request.node.name.removeprefix("test_"))[:60].strip("-")
+    return Run(module_s3, s3_endpoint, tmp_path, name=name).stage()
+
+
 @pytest.fixture(scope="module")
-def reference_cache():
-    return {}
+def finished(module_s3, s3_endpoint, tmp_path_factory):
+    """One pod trained to the end, beside a COMPLETE.txt (a note, not the marker): the happy path,
+    the reference of every resume here, and the run a next pod finds finished."""
+    run = Run(module_s3, s3_endpoint, tmp_path_factory.mktemp("finished"), name="finished").stage()
+    run.s3.put_object(Bucket=BUCKET, Key=f"{run.prefix}COMPLETE.txt", Body=b"a note, not the marker")
+    code, pod = run.run()
+    assert code == 0, pod.output
+    return run, pod
 
 
 @pytest.fixture
-def reference_sha(reference_cache, s3, s3_endpoint, tmp_path, tool_path):
-    """sha256 of the final model.pt of an uninterrupted pod (run once per module, when needed)."""
-    def get() -> str:
-        if "sha" not in reference_cache:
-            reference = Run(s3, s3_endpoint, tmp_path / "reference", name="reference").stage()
-            code, pod = reference.run()
-            assert code == 0, pod.output
-            reference_cache["sha"] = reference.model_sha(MAX_STEPS)
-        return reference_cache["sha"]
-    return get
+def reference_sha(finished):
+    """sha256 of the final model.pt of an uninterrupted pod."""
+    return lambda: finished[0].model_sha(MAX_STEPS)
 
 
-def test_happy_path_ends_with_complete(run, reference_cache):
-    code, pod = run.run()
-    assert code == 0, pod.output
+def copy_run(run: Run, source: Run) -> None:
+    """Everything under source's prefix, copied under run's (S3 to S3)."""
+    for key in source.keys():
+        run.s3.copy_object(Bucket=BUCKET, Key=run.prefix + key,
+                           CopySource={"Bucket": BUCKET, "Key": source.prefix + key})
+
+
+def test_happy_path_ends_with_complete(finished):
+    run, pod = finished
     assert not [line for line in pod.lines if "error: " in line or "warning: " in line], pod.output
     summary = run.json("COMPLETE")
     assert summary["steps"] == MAX_STEPS and summary["attempts"] == 1
@@ -61,7 +74,6 @@ def test_happy_path_ends_with_complete(run, reference_cache):
     assert pod.events[-1]["event"] == "exit" and pod.events[-1]["code"] == 0
     assert [(e["state"], e["step"]) for e in pod.events if e["event"] == "complete"] == [
         ("writing", MAX_STEPS), ("written", MAX_STEPS)]
-    reference_cache.setdefault("sha", run.model_sha(MAX_STEPS))
 
 
 @pytest.mark.parametrize("seed", [1])
@@ -105,10 +117,9 @@ def test_pod_deletion_leaves_a_checkpoint_of_the_current_step_in_s3(run):
     assert line  # the pod was training when deleted
 
 
-def test_run_after_complete_exits_at_once_without_touching_s3(run):
-    run.s3.put_object(Bucket=BUCKET, Key=f"{run.prefix}COMPLETE.txt", Body=b"a note, not the marker")
-    code, pod = run.run()
-    assert code == 0 and "torchrun" in pod.output, "only COMPLETE itself ends a run"
+def test_run_after_complete_exits_at_once_without_touching_s3(finished):
+    run, first = finished
+    assert "torchrun" in first.output, "only COMPLETE itself ends a run (COMPLETE.txt was there)"
     before = run.keys()
     code, pod = run.run()
     assert code == 0
@@ -119,8 +130,8 @@ def test_run_after_complete_exits_at_once_without_touching_s3(run):
     assert run.keys() == before
 
 
-def test_checkpoint_in_s3_without_manifest_is_ignored(run, reference_sha):
-    assert run.run()[0] == 0
+def test_checkpoint_in_s3_without_manifest_is_ignored(run, finished, reference_sha):
+    copy_run(run, finished[0])
     newest, older = run.committed_steps()
     # As if the pod died after uploading the files of its newest checkpoint, before the manifest.
     run.s3.delete_object(Bucket=BUCKET, Key=f"{run.prefix}checkpoints/step-{newest:08d}/manifest.json")

@@ -39,8 +39,8 @@ RUNS = f"s3://{BUCKET}/runs/"
 LIVE_MAX_STEPS = 100000
 # Checkpoints and evals rarely: two cores serve the trainer, the uploader, the S3 and TensorBoard.
 LIVE_ARGS = f"--set train.max_steps={LIVE_MAX_STEPS} --set checkpoint.interval=50 --set eval.interval=50"
-MEASURE_SECONDS = 20
-SETTLE_SECONDS = 10  # steps logged this close to the window's end may not be served within it
+MEASURE_SECONDS = 12
+SETTLE_SECONDS = 5  # steps logged this close to the window's end may not be served within it
 STEP_LINE = re.compile(r"train: step (\d+)/\d+ \| loss ([0-9.]+)")
 HOUR = 3600
 
