@@ -236,6 +236,7 @@ class Sweep:
         outcomes: list[Outcome] = []
         compared: set[str] = set()
         pending, previous = list(kills), None
+        unplaced: list[Outcome] = []  # kills whose next process was killed before it said where it resumed
         for segment in range(1, len(kills) + 2):
             trainer = Trainer(self.command(out), self.env, folder / f"segment-{segment:02d}.log")
             kill = pending.pop(0) if pending else None
@@ -248,9 +249,15 @@ class Sweep:
             resumed = next((e for e in trainer.events if e["event"] == "resumed"), None)
             differences = self.compare(out, compared) + (self.compare_final(out) if code == 0 else [])
             if previous:
-                previous.resumed_from = resumed["step"] if resumed else None
                 previous.differences += differences
-                print(format_outcome(previous), flush=True)
+                unplaced.append(previous)
+                if resumed is not None or code != -signal.SIGKILL:
+                    # a process killed before its `resumed` event (repairing best/, say) trained nothing:
+                    # it resumed where the next one says it resumed
+                    for placed in unplaced:
+                        placed.resumed_from = resumed["step"] if resumed else None
+                        print(format_outcome(placed), flush=True)
+                    unplaced = []
             elif differences:
                 self.unresumed += differences
                 print(f"  run {run_number}: differs without a resume: {'; '.join(differences[:3])}", flush=True)
