@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import config
+import contract
 from config import Config, ConfigError
 
 
@@ -282,7 +283,7 @@ def arithmetic_changes(saved, now: dict) -> list[str]:
 
 def shown(value) -> str:
     """A value read from a checkpoint, fit for one log line: a bucket writer cannot forge a line."""
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in str(value))[:80]
+    return contract.printable(str(value))[:80]
 
 
 def gather_rng_states(rt: Runtime) -> list[dict]:

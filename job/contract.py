@@ -81,8 +81,7 @@ def printable(text: str, keep: str = "") -> str:
 
 
 def _escape(char: str) -> str:
-    code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+    return ascii(char)[1:-1]  # Python's own escape: \\n, \\x1b, \\u202e
 
 
 # -- what a trainer and the runtime share, under OUTPUT_DIR (WORK_DIR/out) ----------------------

@@ -126,7 +126,7 @@ def last_error(state_dir: Path) -> str | None:
     if not text:
         return None
     line = " ".join(text.decode("utf-8", "replace").split())
-    line = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in line)
+    line = contract.printable(line)
     return line[:MAX_ERROR - 3] + "..." if len(line) > MAX_ERROR else line or None
 
 

@@ -23,7 +23,7 @@ from botocore.config import Config
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 import s3_errors
-from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE  # noqa: F401 - the helpers' exit codes, named here too
+from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE, printable  # noqa: F401 - the helpers' exit codes, named here too
 
 # Large parts: fewer requests, and S3 servers (moto included) that re-read an object per ranged
 # GET stay fast.
@@ -54,19 +54,10 @@ class Stop(Exception):
 
 
 def log(name: str, message: str) -> None:
-    """One line on the pod's log, whatever the message quotes (a lease holder, an S3 error's text)."""
+    """One line on the pod's log, whatever the message quotes (a lease holder, an S3 error's text):
+    a line break or terminal escape in it could otherwise start a forged EVENT or exit line."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     print(f"{stamp} {name}: {printable(message)}", flush=True)
-
-
-# Line breaks, carriage returns, terminal escapes: a text from S3 or the network that carries one
-# could start a line of its own on the pod's log (a forged EVENT or exit line) or redraw a terminal.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-
-
-def printable(text: str) -> str:
-    """TEXT with every control character written as its escape (a newline as \\n, ESC as \\x1b)."""
-    return _CONTROL.sub(lambda found: ascii(found.group())[1:-1], text)
 
 
 @dataclass(frozen=True)

@@ -36,4 +36,4 @@ def test_a_checkpoint_that_recorded_nothing_is_taken_as_it_is():
     assert arithmetic_changes({"threads": 1, "torch": "2.12.0"}, now) == ["torch 2.12.0 -> 2.13.0", "threads 1 -> 2"]
     # What a bucket writer put in state.pt: a line of its own never, a tensor is no value to compare.
     forged = {"torch": "2.12.0\nEVENT {\"event\": \"exit\", \"code\": 0}", "threads": torch.ones(3)}
-    assert arithmetic_changes(forged, now) == ['torch 2.12.0\\x0aEVENT {"event": "exit", "code": 0} -> 2.13.0']
+    assert arithmetic_changes(forged, now) == ['torch 2.12.0\\nEVENT {"event": "exit", "code": 0} -> 2.13.0']

@@ -135,7 +135,7 @@ def test_the_runtime_helpers_go_beside_a_trainer_that_has_none(tmp_path):
 
 def test_keys_from_s3_reach_the_terminal_escaped(capsys):
     hostile = "evil\x1b[2J\x07\nforged line.py"
-    shown = "evil\\x1b[2J\\x07\\x0aforged line.py"
+    shown = "evil\\x1b[2J\\x07\\nforged line.py"
     stage_code.show_plan(stage_code.Plan(new=[hostile], changed=[hostile], unchanged=[], delete=[hostile],
                                          stale=[hostile], foreign=[hostile, "b\u202ec.py"], record=[]),
                          "s3://bucket/code/")

@@ -48,7 +48,7 @@ def state(record: dict, complete: bool) -> str:
     ("run-1", "run-1"),
     ("evil\x1b]0;title\x07", "evil\\x1b]0;title\\x07"),
     ("rtl\u202eexe.txt", "rtl\\u202eexe.txt"),
-    ("tab\there", "tab\\x09here"),
+    ("tab\there", "tab\\there"),
     ("é ü 日本", "é ü 日本"),
     ("x" * 400, "x" * 297 + "..."),
 ])
