@@ -78,14 +78,6 @@ print("cuda", torch.cuda.is_available(), torch.version.cuda, torch.cuda.get_devi
 EOF
 }
 
-has_budget() {
-  local arg
-  for arg in "$@"; do
-    [[ "${arg}" == --budget* ]] && return 0
-  done
-  return 1
-}
-
 # The --budget in ARGS (--budget S or --budget=S, whole seconds), else the default.
 budget_of() {
   local budget="${DEFAULT_BUDGET_S}"
@@ -108,7 +100,7 @@ run_benchmark() {
   shift 3
   local args=("$@") work="${out}/.work" status=0 budget
   budget=$(budget_of "$@")
-  has_budget "$@" || args+=(--budget "${budget}")
+  args+=(--budget "${budget}")  # the same value again where ARGS had one: the last one counts
   mkdir -p "${work}"
   BENCH_DIR="${work}" PYTHONUNBUFFERED=1 timeout --signal=TERM --kill-after=15 "$((budget + AFTER_BUDGET_S))" \
     "${python}" "${root}/lab/benchmark.py" gpu --json "${out}/gpu.json" --keep "${args[@]}" \
