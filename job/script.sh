@@ -20,6 +20,9 @@
 #   READY_FILE             /tmp/ready               absolute; touched once restored (startup probe)
 #   HEALTH_FILE            /tmp/healthy             absolute; heartbeat (liveness probe)
 #   HEALTH_MAX_AGE_SECONDS 600                      liveness fails past this heartbeat age (>= 10; the trainer must beat more often)
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT 180              after SIGTERM, how long torchrun lets the trainer save before its
+#                                                   SIGKILL (>= 1; on every torch: job/torchrun.py); keep it under the
+#                                                   pod's grace period, which also holds the final upload
 #   AWS_ENDPOINT_URL       an S3-compatible store (http:// or https://); every S3 call honours it
 #   AWS_MAX_ATTEMPTS       5                        the AWS CLI's attempts per call (>= 1; boto3 has its own)
 #   AWS_RETRY_MODE         standard                 the AWS CLI's: standard, adaptive or legacy
@@ -77,8 +80,8 @@ readonly EXIT_SIGTERM=143
 # a controller sets (contract.CONTROLLER_SETTINGS): all are checked for control characters.
 readonly SETTINGS=(S3_CODE_URI S3_DATA_URI S3_OUTPUT_URI S3_MODEL_URI WORK_DIR NPROC_PER_NODE
   TRAIN_SCRIPT TRAIN_CONFIG TRAIN_ARGS SYNC_INTERVAL_SECONDS UPLOAD_RETRY_SECONDS
-  READY_FILE HEALTH_FILE HEALTH_MAX_AGE_SECONDS AWS_ENDPOINT_URL AWS_MAX_ATTEMPTS
-  AWS_RETRY_MODE S3_RETRY_SECONDS S3_LEASE LEASE_TTL_SECONDS LEASE_WAIT_SECONDS
+  READY_FILE HEALTH_FILE HEALTH_MAX_AGE_SECONDS TORCH_ELASTIC_SHUTDOWN_TIMEOUT AWS_ENDPOINT_URL
+  AWS_MAX_ATTEMPTS AWS_RETRY_MODE S3_RETRY_SECONDS S3_LEASE LEASE_TTL_SECONDS LEASE_WAIT_SECONDS
   S3_SYNC_TOOL CHECKPOINT_HMAC_KEY EVENTS NNODES RDZV_ENDPOINT RDZV_TIMEOUT_SECONDS GROUP_SECRET)
 readonly CONTROLLER_SETTINGS=(JOB_COMPLETION_INDEX PET_NODE_RANK RANK MASTER_ADDR MASTER_PORT)
 readonly POD_ERROR=last-error.txt  # contract.POD_ERROR

@@ -113,6 +113,7 @@ check_timings() {
   LEASE_TTL_SECONDS=${LEASE_TTL_SECONDS:-30}
   LEASE_WAIT_SECONDS=${LEASE_WAIT_SECONDS:-3000}
   HEALTH_MAX_AGE_SECONDS=${HEALTH_MAX_AGE_SECONDS:-600}
+  TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-180}
   S3_LEASE=${S3_LEASE:-on}
   check_positive_int SYNC_INTERVAL_SECONDS
   check_positive_int UPLOAD_RETRY_SECONDS
@@ -121,10 +122,13 @@ check_timings() {
   check_seconds LEASE_WAIT_SECONDS 0 "how long a second pod waits for a live pod's lease"
   # Heartbeats come every 2 s (train.py) or 5 s (the final upload): a limit near that fails on one late beat.
   check_seconds HEALTH_MAX_AGE_SECONDS 10 "the liveness probe's limit on the heartbeat's age, which is renewed every 5 s"
+  # torchrun's own default is 30 s: too short for a full fine-tune's save (12 bytes a parameter).
+  check_seconds TORCH_ELASTIC_SHUTDOWN_TIMEOUT 1 "how long a stopped trainer may take to save"
   check_one_of S3_LEASE "on|off" "on or off"
   EVENTS=${EVENTS:-log}
   check_one_of EVENTS "log|stdout" "log (in the log file and its copy in S3) or stdout (in kubectl logs too)"
-  export SYNC_INTERVAL_SECONDS UPLOAD_RETRY_SECONDS LEASE_TTL_SECONDS LEASE_WAIT_SECONDS HEALTH_MAX_AGE_SECONDS S3_LEASE
+  export SYNC_INTERVAL_SECONDS UPLOAD_RETRY_SECONDS LEASE_TTL_SECONDS LEASE_WAIT_SECONDS HEALTH_MAX_AGE_SECONDS S3_LEASE \
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT
 }
 
 # Never shown, not even its length: a key that is set must be long enough to sign with.

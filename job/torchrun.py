@@ -11,15 +11,52 @@ torchrun's own, never the trainer's (its workers are other processes).
 A SIGTERM or SIGINT to torchrun (a pod's graceful stop) ends it with a SignalException, which it
 records in TORCHELASTIC_ERROR_FILE and then lets through as a 30-line traceback: here it is one
 line, and the exit code stays torchrun's own (1).
+
+After that signal torchrun gives its workers 30 s to save before it SIGKILLs them. torch 2.13 reads
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT for that; torch 2.11 and older do not, so a save longer than 30 s was
+lost on the torch most images carry. Here the variable counts on every torch: it becomes the default
+of the call that waits for the workers (PContext.close's timeout), which a newer torch overrides
+with the same value.
 """
 
 import atexit
 import gc
+import inspect
+import os
 import runpy
 import signal
 import sys
 
 EXIT_UNCAUGHT = 1  # what Python exits with on an uncaught exception, as torchrun did
+EXIT_BAD_INPUT = 64  # contract.EXIT_BAD_INPUT (this file runs before anything of the job is imported)
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
+
+def shutdown_timeout(environ) -> int | None:
+    """The seconds SHUTDOWN_TIMEOUT_ENV asks for (None: unset); ValueError names the fix."""
+    text = environ.get(SHUTDOWN_TIMEOUT_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"{SHUTDOWN_TIMEOUT_ENV} must be whole seconds (e.g. 120), not {text!r}: fix the pod's env")
+    return int(text)
+
+
+def wait_for_workers(seconds: int) -> bool:
+    """Make SECONDS the default time torchrun waits for its workers after a stop; False where this
+    torch's PContext.close has no timeout to default (a torch this file does not know)."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    original = PContext.close
+    parameter = inspect.signature(original).parameters.get("timeout")
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return False
+
+    def close(self, death_sig=None, timeout=seconds):
+        return original(self, death_sig, timeout)
+
+    PContext.close = close
+    return True
 
 
 def stopped_line(sigval) -> str:
@@ -31,6 +68,13 @@ def stopped_line(sigval) -> str:
 
 
 if __name__ == "__main__":
+    try:
+        seconds = shutdown_timeout(os.environ)
+    except ValueError as err:
+        print(f"torchrun: {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)
+    if seconds is not None and not wait_for_workers(seconds):
+        print(f"torchrun: this torch's torchrun cannot be given {SHUTDOWN_TIMEOUT_ENV}; it keeps its own", file=sys.stderr, flush=True)
     atexit.register(gc.freeze)
     from torch.distributed.elastic.multiprocessing.api import SignalException  # torchrun imports it anyway
 
