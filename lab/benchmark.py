@@ -1,6 +1,6 @@
 """Figures for docs/performance.md, measured on this machine, as ratios within one run where it matters.
 
-    sudo .venv/bin/python lab/benchmark.py all --json F [--quick] [--only PART]...  # every figure
+    sudo .venv/bin/python lab/benchmark.py all --json F [--quick | --tiny] [--only PART]...  # every figure
 
 all: every key of lab/bench_report.py's KEYS, each beside its floor measured in the same run, as one
 JSON object ({key: {value, unit, floor, ratio, aim, meets_aim, how, detail}}, machine, started_at),
@@ -11,7 +11,9 @@ growth (lab/bench_growth.py: bytes and requests per upload interval) and fsdp (l
 memory per rank under DDP and FSDP, sharded saves' stall, time to S3 and restore beside
 s3torchconnector's DCP writer and reader, restore bytes per node). --quick: a 100 MB checkpoint,
 3 repetitions, small models (about 4 minutes on 2 loaded cores); full: 1.5 GB, 5 repetitions, the
-stall model below and a pod of GPT-2 124M's shape. A part that fails leaves its keys null with the
+stall model below and a pod of GPT-2 124M's shape. --tiny (the tests'): --quick with transfers of
+60 MB (each file still past the ranged reads' threshold), 2 repetitions, 4 growing and 3 idle
+upload intervals: the keys and the paths, no figure. A part that fails leaves its keys null with the
 reason in `how`; the others still run.
 
     python lab/benchmark.py gpu --json F [--cpu] [--budget S] [--only PART]...  # every GPU figure
@@ -277,9 +279,9 @@ def measure_restart(s3, endpoint: str) -> None:
 PARTS = ("transfer", "stall", "pod", "growth", "fsdp")
 
 
-def bench_all(quick: bool, only: list[str], after_each=lambda figures: None) -> dict[str, dict]:
+def bench_all(size: str, only: list[str], after_each=lambda figures: None) -> dict[str, dict]:
     """Every figure of bench_report.KEYS, each beside its floor measured here, now; `after_each(figures)`
-    once a part is done (the JSON so far survives a run stopped later)."""
+    once a part is done (the JSON so far survives a run stopped later). size: full, quick or tiny."""
     import boto3
 
     import bench_report
@@ -292,7 +294,7 @@ def bench_all(quick: bool, only: list[str], after_each=lambda figures: None) -> 
             started = time.monotonic()
             print(f"== {part} (load average {os.getloadavg()[0]:.1f})", flush=True)
             try:
-                figures.update(PART_RUNNERS[part](s3, endpoint, Path(tmp) / part, quick))
+                figures.update(PART_RUNNERS[part](s3, endpoint, Path(tmp) / part, size))
             except Exception as error:  # noqa: BLE001 - one part's failure is its keys' reason, the rest still run
                 print(f"   {part} failed: {type(error).__name__}: {str(error)[-1500:]}", flush=True)
                 reason = f"{part} failed: {type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
@@ -303,16 +305,21 @@ def bench_all(quick: bool, only: list[str], after_each=lambda figures: None) -> 
     return figures
 
 
-def transfer_figures(s3, endpoint: str, folder: Path, quick: bool) -> dict[str, dict]:
+# (checkpoint bytes, repetitions): --tiny keeps model.pt, a third, past s3.IN_ORDER's 16 MiB threshold.
+TRANSFER_SIZES = {"full": (1_500_000_000, 5), "quick": (100_000_000, 3), "tiny": (60_000_000, 2)}
+GROWTH_INTERVALS = {"full": (30, 10), "quick": (8, 5), "tiny": (4, 3)}  # (growing, idle)
+
+
+def transfer_figures(s3, endpoint: str, folder: Path, size: str) -> dict[str, dict]:
     import bench_transfer
 
-    return bench_transfer.measure(s3, endpoint, folder, 100_000_000 if quick else 1_500_000_000, 3 if quick else 5)
+    return bench_transfer.measure(s3, endpoint, folder, *TRANSFER_SIZES[size])
 
 
-def stall_figures(_s3, _endpoint: str, _folder: Path, quick: bool) -> dict[str, dict]:
+def stall_figures(_s3, _endpoint: str, _folder: Path, size: str) -> dict[str, dict]:
     from bench_report import figure
 
-    result = bench_checkpoint_stall(quick)
+    result = bench_checkpoint_stall(size != "full")
     (async_speed, async_floor), (sync_speed, sync_floor) = result["compared"]["async"], result["compared"]["sync"]
     runs = result["runs"]
     how = (f"train.py ({result['shape']}, a {result['size'] / 1e6:.0f} MB checkpoint, one thread) tokens/s over steps "
@@ -327,17 +334,17 @@ def stall_figures(_s3, _endpoint: str, _folder: Path, quick: bool) -> dict[str, 
                                             sync_floor, sync_runs=runs["sync"], none_runs=runs["none"])}
 
 
-def pod_figures(s3, endpoint: str, folder: Path, quick: bool) -> dict[str, dict]:
+def pod_figures(s3, endpoint: str, folder: Path, size: str) -> dict[str, dict]:
     import bench_pod
 
-    return bench_pod.measure(s3, endpoint, folder, full=not quick)
+    return bench_pod.measure(s3, endpoint, folder, full=size == "full")
 
 
-def growth_figures(_s3, endpoint: str, folder: Path, quick: bool) -> dict[str, dict]:
+def growth_figures(_s3, endpoint: str, folder: Path, size: str) -> dict[str, dict]:
     import bench_growth
     from bench_report import figure
 
-    intervals, idle = (8, 5) if quick else (30, 10)
+    intervals, idle = GROWTH_INTERVALS[size]
     got = bench_growth.measure(endpoint, folder, intervals, idle)
     how = (f"`uploader.py watch` (SYNC_INTERVAL_SECONDS=1) through a counting proxy, {intervals} intervals of "
            f"{bench_growth.POINTS_PER_INTERVAL} scalars and log lines")
@@ -354,10 +361,10 @@ def growth_figures(_s3, endpoint: str, folder: Path, quick: bool) -> dict[str, d
     }
 
 
-def fsdp_figures(s3, endpoint: str, folder: Path, quick: bool) -> dict[str, dict]:
+def fsdp_figures(s3, endpoint: str, folder: Path, size: str) -> dict[str, dict]:
     import bench_fsdp
 
-    return bench_fsdp.measure(s3, endpoint, folder, quick)
+    return bench_fsdp.measure(s3, endpoint, folder, size != "full")
 
 
 PART_RUNNERS = {"transfer": transfer_figures, "stall": stall_figures, "pod": pod_figures, "growth": growth_figures,
@@ -380,13 +387,15 @@ def run_all(args) -> int:
     import bench_report
 
     load, started_at, started = os.getloadavg(), time.time(), time.monotonic()
+    size = "tiny" if args.tiny else "quick" if args.quick else "full"
     def write(figures: dict) -> dict:
-        result = bench_report.report(figures, load, started_at, time.monotonic() - started, args.quick)
+        result = bench_report.report(figures, load, started_at, time.monotonic() - started, size != "full",
+                                     mode=size)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         return result
 
-    result = write(bench_all(args.quick, args.only or list(PARTS), write))
+    result = write(bench_all(size, args.only or list(PARTS), write))
     for key in bench_report.KEYS:
         entry = result[key]
         print(f"{key:<46} {entry['value']!s:>10} {entry['unit']:<8} floor {entry['floor']!s:>10} "
@@ -449,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="all, gpu: write the figures here as one JSON object")
     parser.add_argument("--quick", action="store_true",
                         help="all: 100 MB transfers, small models, fewer repetitions (minutes, not tens of them)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="all: --quick with 60 MB transfers, 2 repetitions, 4 growing and 3 idle upload intervals "
+                             "(the tests': no figure)")
     parser.add_argument("--only", action="append",
                         help=f"all: only this part (repeatable): {', '.join(PARTS)}; gpu: one of lab/bench_gpu.py's")
     parser.add_argument("--cpu", action="store_true", help="gpu: the CPU mode (tiny model) even with a GPU")
