@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass

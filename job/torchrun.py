@@ -13,8 +13,8 @@ records in TORCHELASTIC_ERROR_FILE and then lets through as a 30-line traceback:
 line, and the exit code stays torchrun's own (1).
 
 After that signal torchrun gives its workers 30 s to save before it SIGKILLs them. torch 2.13 reads
-TORCH_ELASTIC_SHUTDOWN_TIMEOUT for that; torch 2.11 and older do not, so a save longer than 30 s was
-lost on the torch most images carry. Here the variable counts on every torch: it becomes the default
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT for that; torch 2.11 and older do not, so there a save longer than
+30 s was lost. Here the variable counts on every torch: it becomes the default
 of the call that waits for the workers (PContext.close's timeout), which a newer torch overrides
 with the same value.
 """
@@ -37,7 +37,7 @@ def shutdown_timeout(environ) -> int | None:
     text = environ.get(SHUTDOWN_TIMEOUT_ENV, "").strip()
     if not text:
         return None
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):
         raise ValueError(f"{SHUTDOWN_TIMEOUT_ENV} must be whole seconds (e.g. 120), not {text!r}: fix the pod's env")
     return int(text)
 
