@@ -127,13 +127,13 @@ def machine(load_at_start: tuple[float, float, float]) -> dict:
 
 
 def report(figures: dict[str, dict], load_at_start: tuple[float, float, float], started_at: float,
-           seconds: float, quick: bool, keys: dict = KEYS, mode: str | None = None) -> dict:
+           seconds: float, mode: str, keys: dict = KEYS) -> dict:
     """The JSON object: every key in `keys` (a missing one says it was not run), the machine, the start."""
     out = {key: figures.get(key) or unmeasured(key, "not run in this invocation (--only)") for key in keys}
     out["machine"] = machine(load_at_start)
     out["started_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started_at))
     out["seconds"] = round(seconds, 1)
-    out["mode"] = mode or ("quick" if quick else "full")
+    out["mode"] = mode  # full, quick or tiny (all); gpu or cpu (gpu)
     return out
 
 

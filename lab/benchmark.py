@@ -389,8 +389,7 @@ def run_all(args) -> int:
     load, started_at, started = os.getloadavg(), time.time(), time.monotonic()
     size = "tiny" if args.tiny else "quick" if args.quick else "full"
     def write(figures: dict) -> dict:
-        result = bench_report.report(figures, load, started_at, time.monotonic() - started, size != "full",
-                                     mode=size)
+        result = bench_report.report(figures, load, started_at, time.monotonic() - started, size)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         return result
@@ -423,8 +422,8 @@ def run_gpu(args) -> int:
     load, started_at, started = os.getloadavg(), time.time(), time.monotonic()
 
     def write(figures: dict) -> dict:
-        result = bench_report.report(figures, load, started_at, time.monotonic() - started, False,
-                                     keys=bench_report.GPU_KEYS, mode=mode.name)
+        result = bench_report.report(figures, load, started_at, time.monotonic() - started, mode.name,
+                                     keys=bench_report.GPU_KEYS)
         result["budget_s"] = budget
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -74,7 +74,7 @@ def test_unmeasured_says_why_and_judges_nothing():
 
 def test_report_has_every_key_of_the_issue_the_machine_and_the_start():
     figures = {"kill_to_training_s": figure("kill_to_training_s", 35.0, "kill", 5.0)}
-    result = json.loads(json.dumps(report(figures, (1.0, 2.0, 3.0), 0.0, 12.34, quick=True)))
+    result = json.loads(json.dumps(report(figures, (1.0, 2.0, 3.0), 0.0, 12.34, "quick")))
     issue_keys = {"restore_vs_s5cmd", "restore_vs_disk_floor", "restore_vs_get_floor", "upload_vs_s5cmd",
                   "upload_lag_p95_s", "checkpoint_stall", "checkpoint_stall_sync", "sigterm_to_exit_s",
                   "pod_start_to_first_step_s", "pod_start_to_first_step_minus_bare_torchrun_s", "kill_to_training_s",
@@ -93,8 +93,7 @@ def test_report_has_every_key_of_the_issue_the_machine_and_the_start():
 
 def test_the_gpu_report_has_every_gpu_key_and_none_of_all_s():
     figures = {"gpu_trainer_tokens_per_s": figure("gpu_trainer_tokens_per_s", 441000.0, "train.py", 448000.0)}
-    result = json.loads(json.dumps(report(figures, (0, 0, 0), 0.0, 1.0, False, keys=bench_report.GPU_KEYS,
-                                          mode="cpu")))
+    result = json.loads(json.dumps(report(figures, (0, 0, 0), 0.0, 1.0, "cpu", keys=bench_report.GPU_KEYS)))
     assert set(result) == set(bench_report.GPU_KEYS) | {"machine", "started_at", "seconds", "mode"}
     assert not set(KEYS) & set(bench_report.GPU_KEYS), "one name, one meaning"
     assert result["mode"] == "cpu"
@@ -118,7 +117,7 @@ def test_the_gpu_keys_carry_the_issues_aims(key, value, floor, expected):
 
 def test_table_rows_one_per_key_with_the_command():
     result = report({"upload_vs_s5cmd": figure("upload_vs_s5cmd", 1.2, "upload over s5cmd", 1.0)}, (0, 0, 0), 0.0,
-                    1.0, quick=False)
+                    1.0, "full")
     rows = bench_report.table_rows(result, "python lab/benchmark.py all")
     assert len(rows) == len(KEYS)
     upload = next(r for r in rows if r.startswith("| `upload_vs_s5cmd`"))

@@ -22,26 +22,30 @@ time.sleep(120)
 """
 
 
-def test_a_sigterm_to_torchrun_is_one_line_not_a_traceback(tmp_path):
-    (tmp_path / "worker.py").write_text(WORKER)
-    error_file = tmp_path / "error.json"
+def stop_when_up(tmp_path, worker: str, **env) -> tuple[int, str]:
+    """torchrun.py on WORKER, SIGTERM once the worker is up: its exit code and output."""
+    (tmp_path / "worker.py").write_text(worker)
     torchrun = subprocess.Popen([sys.executable, str(TORCHRUN), "--standalone", "--nproc_per_node=1", "worker.py"],
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
+                                env={**os.environ, **env})
     lines = []
     for line in torchrun.stdout:
         lines.append(line)
         if line.strip() == "worker up":
             torchrun.send_signal(signal.SIGTERM)
-    code = torchrun.wait(timeout=60)
-    output = "".join(lines)
+    return torchrun.wait(timeout=60), "".join(lines)
+
+
+def test_a_sigterm_to_torchrun_is_one_line_not_a_traceback(tmp_path):
+    error_file = tmp_path / "error.json"
+    code, output = stop_when_up(tmp_path, WORKER, TORCHELASTIC_ERROR_FILE=str(error_file))
     assert code == 1, output
     assert "Traceback" not in output and "SignalException" not in output, output
-    assert "torchrun: stopped by SIGTERM; its workers were told to stop\n" in lines, output
-    assert "worker stopped\n" in lines, output
+    lines = output.splitlines()
+    assert "torchrun: stopped by SIGTERM; its workers were told to stop" in lines, output
+    assert "worker stopped" in lines, output
     recorded = json.loads(error_file.read_text())["message"]["message"]
     assert recorded.startswith("SignalException: Process") and recorded.endswith("got signal: 15"), recorded
-
 
 
 SLOW_SAVER = """
@@ -55,20 +59,6 @@ signal.signal(signal.SIGTERM, save)
 print("worker up", flush=True)
 time.sleep(120)
 """
-
-
-def stop_when_up(tmp_path, worker: str, **env) -> tuple[int, str]:
-    """torchrun.py on WORKER, SIGTERM once the worker is up: its exit code and output."""
-    (tmp_path / "worker.py").write_text(worker)
-    torchrun = subprocess.Popen([sys.executable, str(TORCHRUN), "--standalone", "--nproc_per_node=1", "worker.py"],
-                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, **env})
-    lines = []
-    for line in torchrun.stdout:
-        lines.append(line)
-        if line.strip() == "worker up":
-            torchrun.send_signal(signal.SIGTERM)
-    return torchrun.wait(timeout=60), "".join(lines)
 
 
 def test_torch_elastic_shutdown_timeout_is_how_long_a_stopped_worker_may_save(tmp_path):
