@@ -750,7 +750,7 @@ main() {
   TEE_PID=$!
   trap finish EXIT
   log "pod ${HOSTNAME:-?}$( ((NNODES > 1)) && echo " (node ${NODE_RANK} of ${NNODES})") starting: code ${S3_CODE_URI}, data ${S3_DATA_URI}, output ${S3_OUTPUT_URI}, ${NPROC_PER_NODE} process(es), sync with ${S3_SYNC_TOOL}"
-  need_cmd aws "install awscli (or s5cmd) in the image"
+  need_cmd aws "install awscli in the image (s5cmd alone is not enough)"
 
   phase "check S3 access" check_access
   if already_complete; then
