@@ -165,6 +165,9 @@ class Pod:
         return code
 
 
+_STAGED: dict[tuple[str, str, str], list[tuple[str, bytes, str]]] = {}  # Run.stage()'s, per process
+
+
 class Run:
     """Code, data and an output prefix in the local S3, and the pods that train there."""
 
@@ -178,12 +181,35 @@ class Run:
         self.pods = 0
 
     def stage(self) -> "Run":
+        """This repository's code/ and the tiny corpus, as scripts/stage.sh stages them, then the
+        run's tiny.yaml. stage.sh runs once per process and S3 endpoint (its AWS CLI calls cost ~4 s
+        of CPU); later calls put the same objects back, byte for byte, after a server reset."""
+        key = (self.endpoint, self.code_uri, self.data_uri)
         data = write_corpus(self.folder / "data")
-        subprocess.run([str(ROOT / "scripts" / "stage.sh"), self.code_uri, "--data", str(data), self.data_uri],
-                       check=True, capture_output=True, env=tool_env())
+        if key not in _STAGED:
+            subprocess.run([str(ROOT / "scripts" / "stage.sh"), self.code_uri, "--data", str(data), self.data_uri],
+                           check=True, capture_output=True, env=tool_env())
+            _STAGED[key] = self._staged_objects()
+        else:
+            for name, body, content_type in _STAGED[key]:
+                self.s3.put_object(Bucket=BUCKET, Key=name, Body=body, ContentType=content_type)
         tiny = write_config(self.folder / "tiny.yaml", **self.config)
         self.s3.upload_file(str(tiny), BUCKET, "code/config/tiny.yaml")
         return self
+
+    def _staged_objects(self) -> list[tuple[str, bytes, str]]:
+        """(key, body, content type) of what stage.sh just put in S3: the files its record names,
+        the record, and the corpus."""
+        code = self.code_uri.removeprefix(f"s3://{BUCKET}/")
+        data = self.data_uri.removeprefix(f"s3://{BUCKET}/")
+        record = self.s3.get_object(Bucket=BUCKET, Key=f"{code}.stage-record.json")["Body"].read()
+        names = [code + name for name in json.loads(record)["files"]] + [f"{code}.stage-record.json"]
+        names += [data + name for name in ("train.bin", "val.bin")]
+        staged = []
+        for name in names:
+            reply = self.s3.get_object(Bucket=BUCKET, Key=name)
+            staged.append((name, reply["Body"].read(), reply["ContentType"]))
+        return staged
 
     def env(self, **extra: str) -> dict:
         env = {
