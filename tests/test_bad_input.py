@@ -164,6 +164,8 @@ CASES = [
          {"S3_OUTPUT_URI": f"s3://{BUCKET}/code/out/"}),
     Case("bucket does not exist", 64, "bucket no-such-bucket does not exist; create it or fix the URI",
          {"S3_DATA_URI": "s3://no-such-bucket/data/"}),
+    Case("bucket does not exist, through the AWS CLI", 64, "bucket no-such-bucket does not exist; create it or fix "
+         "the URI", {"S3_DATA_URI": "s3://no-such-bucket/data/", "S3_SYNC_TOOL": "aws"}),
     Case("empty code prefix", 64, "holds no train.py; upload the code with scripts/stage.sh",
          {"S3_CODE_URI": f"s3://{BUCKET}/nothing-here/"}),
     Case("empty data prefix", 64, "holds no train.bin; make it with scripts/prepare_data.py",

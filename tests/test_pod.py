@@ -117,12 +117,14 @@ def test_pod_deletion_leaves_a_checkpoint_of_the_current_step_in_s3(run):
     assert line  # the pod was training when deleted
 
 
-def test_run_after_complete_exits_at_once_without_touching_s3(finished):
+@pytest.mark.parametrize("tool", ["s5cmd", "aws"])
+def test_run_after_complete_exits_at_once_without_touching_s3(finished, tool):
     run, first = finished
     assert "torchrun" in first.output, "only COMPLETE itself ends a run (COMPLETE.txt was there)"
     before = run.keys()
-    code, pod = run.run()
-    assert code == 0
+    code, pod = run.run(S3_SYNC_TOOL=tool)
+    assert code == 0, pod.output
+    assert f"sync with {tool}" in pod.output
     assert "COMPLETE exists: this run is finished" in pod.output
     assert f"To train it further, raise train.max_steps and remove COMPLETE (aws s3 rm {run.output_uri}COMPLETE)" \
         in pod.output, "it says what to do"
