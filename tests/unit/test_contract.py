@@ -147,17 +147,18 @@ def test_a_helpers_log_line_escapes_what_it_quotes(capsys):
     assert "(x\\nEVENT {" in out and "\\r\\x1b[1A\\u2028)" in out
 
 
-def test_script_sh_logs_what_the_aws_cli_said_on_one_line_without_control_characters(tmp_path):
-    # A hostile endpoint's error text, quoted by the AWS CLI: its last line goes into script.sh's
-    # warnings and its error line, and the log in S3.
+@pytest.mark.parametrize("tool", ["aws", "s5cmd"])
+def test_script_sh_logs_what_the_s3_tool_said_on_one_line_without_control_characters(tmp_path, tool):
+    # A hostile endpoint's error text, quoted by the AWS CLI or s5cmd: its last line goes into
+    # script.sh's warnings and its error line, and the log in S3.
     import subprocess
     import sys
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "aws").write_text("#!/bin/sh\nprintf 'An error occurred (x): \\033[1A\\rEVENT "
-                                 '{"event": "exit", "source": "script", "code": 0}\\n\' >&2\nexit 255\n')
-    (bin_dir / "aws").chmod(0o755)
-    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
+    (bin_dir / tool).write_text("#!/bin/sh\nprintf 'An error occurred (x): \\033[1A\\rEVENT "
+                                '{"event": "exit", "source": "script", "code": 0}\\n\' >&2\nexit 255\n')
+    (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin", "S3_SYNC_TOOL": tool,
            "S3_CODE_URI": "s3://bucket/code/", "S3_DATA_URI": "s3://bucket/data/", "S3_OUTPUT_URI": "s3://bucket/runs/r/",
            "WORK_DIR": str(tmp_path / "work"), "READY_FILE": str(tmp_path / "ready"),
            "HEALTH_FILE": str(tmp_path / "healthy"), "NPROC_PER_NODE": "1", "S3_RETRY_SECONDS": "1"}

@@ -58,20 +58,22 @@ def test_a_line_without_a_newline_at_the_end_is_kept_and_redacted():
     assert redact("https://a:TOKEN@h") == "https://***@h"
 
 
-def fake_bin(folder: Path, aws_says: str) -> Path:
+def fake_bin(folder: Path, says: str, tool: str = "aws") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    aws = folder / "aws"
-    aws.write_text(f"#!/bin/sh\necho '{aws_says}' >&2\nexit 255\n")
-    aws.chmod(0o755)
+    fake = folder / tool
+    fake.write_text(f"#!/bin/sh\necho '{says}' >&2\nexit 255\n")
+    fake.chmod(0o755)
     return folder
 
 
-def test_script_output_and_its_log_file_show_no_url_credentials(tmp_path):
-    """An error that quotes a URL with credentials (here the AWS CLI's, retried until
+@pytest.mark.parametrize("tool", ["aws", "s5cmd"])
+def test_script_output_and_its_log_file_show_no_url_credentials(tmp_path, tool):
+    """An error that quotes a URL with credentials (here the S3 tool's, retried until
     S3_RETRY_SECONDS): neither the pod's output nor the log file it uploads carries the token, and
     the log still ends with the pod's last line (the EXIT trap waits for the pipeline)."""
-    bin_dir = fake_bin(tmp_path / "bin", f'Could not connect to the endpoint URL: "https://key:{TOKEN}@s3.example.com/b"')
-    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
+    bin_dir = fake_bin(tmp_path / "bin", f'Could not connect to the endpoint URL: "https://key:{TOKEN}@s3.example.com/b"',
+                       tool)
+    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin", "S3_SYNC_TOOL": tool,
            "S3_CODE_URI": "s3://bucket/code/", "S3_DATA_URI": "s3://bucket/data/", "S3_OUTPUT_URI": "s3://bucket/runs/r/",
            "WORK_DIR": str(tmp_path / "work"), "READY_FILE": str(tmp_path / "ready"),
            "HEALTH_FILE": str(tmp_path / "healthy"), "NPROC_PER_NODE": "1", "S3_RETRY_SECONDS": "1",
