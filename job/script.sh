@@ -24,7 +24,7 @@
 #                                                   SIGKILL (>= 1; on every torch: job/torchrun.py); keep it under the
 #                                                   pod's grace period, which also holds the final upload
 #   AWS_ENDPOINT_URL       an S3-compatible store (http:// or https://); every S3 call honours it
-#   AWS_MAX_ATTEMPTS       5                        the AWS CLI's attempts per call (>= 1; boto3 has its own)
+#   AWS_MAX_ATTEMPTS       5                        the AWS CLI's and s5cmd's attempts per request (>= 1; boto3 has its own)
 #   AWS_RETRY_MODE         standard                 the AWS CLI's: standard, adaptive or legacy
 #   S3_RETRY_SECONDS       600                      how long S3 errors are retried before giving up (>= 1)
 #   S3_LEASE               on                       on or off: off runs without the lease (one pod per prefix is then yours to ensure)
@@ -297,11 +297,18 @@ s3_retry() {
   done
 }
 
+# s5cmd with as many attempts per request as the AWS CLI gets (AWS_MAX_ATTEMPTS): its own default,
+# 11, backs off for minutes in an outage, past S3_RETRY_SECONDS, which s3_retry checks between
+# calls. It reads its endpoint from S3_ENDPOINT_URL, not AWS_ENDPOINT_URL.
+s5cmd_bounded() {
+  S3_ENDPOINT_URL=${AWS_ENDPOINT_URL:-} s5cmd --retry-count "$((AWS_MAX_ATTEMPTS - 1))" "$@"
+}
+
 s3_sync_down() {
   local uri=$1 dest=$2
   if [[ "${S3_SYNC_TOOL}" == s5cmd ]]; then
     # s5cmd reads its endpoint from S3_ENDPOINT_URL, not AWS_ENDPOINT_URL.
-    S3_ENDPOINT_URL=${AWS_ENDPOINT_URL:-} s3_retry "${uri}" s5cmd --log error sync "${uri}*" "${dest}/"
+    s3_retry "${uri}" s5cmd_bounded --log error sync "${uri}*" "${dest}/"
   else
     s3_retry "${uri}" aws s3 sync --only-show-errors "${uri}" "${dest}"
   fi
@@ -350,9 +357,9 @@ check_access() {
   done
 }
 
-# Lists s3://BUCKET/KEY as full URIs, one a line: KEY itself first when it exists (the AWS CLI
-# lists one key, and keys sort by bytes), or nothing. Exits non-zero on an S3 error, with the
-# tool's text for s3_retry.
+# Lists the keys under the prefix s3://BUCKET/KEY as full URIs, one a line: KEY among them when it
+# exists (the AWS CLI lists only the first, which is KEY then: keys sort by bytes). Exits non-zero
+# on an S3 error, with the tool's text for s3_retry.
 list_complete() {
   local bucket=${1#s3://}
   bucket=${bucket%%/*}
@@ -364,9 +371,8 @@ list_complete() {
     return
   fi
   # s5cmd exits 1 for a prefix with nothing under it too, with this one line (the URI quoted by Go).
-  # It reads its endpoint from S3_ENDPOINT_URL, not AWS_ENDPOINT_URL.
   local out
-  out=$(S3_ENDPOINT_URL=${AWS_ENDPOINT_URL:-} s5cmd ls --show-fullpath "$1" 2>&1) && { printf '%s\n' "${out}"; return; }
+  out=$(s5cmd_bounded ls --show-fullpath "$1" 2>&1) && { printf '%s\n' "${out}"; return; }
   printf '%s\n' "${out}"
   [[ "${out}" != *$'\n'* && "${out}" == 'ERROR "ls --show-fullpath=true '*'": no object found' ]]
 }
