@@ -297,9 +297,9 @@ s3_retry() {
   done
 }
 
-# s5cmd with as many attempts per request as the AWS CLI gets (AWS_MAX_ATTEMPTS): its own default,
-# 11, backs off for minutes in an outage, past S3_RETRY_SECONDS, which s3_retry checks between
-# calls. It reads its endpoint from S3_ENDPOINT_URL, not AWS_ENDPOINT_URL.
+# s5cmd with as many attempts per request as the AWS CLI gets (AWS_MAX_ATTEMPTS): its own default
+# (10 retries) backs off for minutes in an outage, past S3_RETRY_SECONDS, which s3_retry checks
+# between calls. It reads its endpoint from S3_ENDPOINT_URL, not AWS_ENDPOINT_URL.
 s5cmd_bounded() {
   S3_ENDPOINT_URL=${AWS_ENDPOINT_URL:-} s5cmd --retry-count "$((AWS_MAX_ATTEMPTS - 1))" "$@"
 }
@@ -307,7 +307,6 @@ s5cmd_bounded() {
 s3_sync_down() {
   local uri=$1 dest=$2
   if [[ "${S3_SYNC_TOOL}" == s5cmd ]]; then
-    # s5cmd reads its endpoint from S3_ENDPOINT_URL, not AWS_ENDPOINT_URL.
     s3_retry "${uri}" s5cmd_bounded --log error sync "${uri}*" "${dest}/"
   else
     s3_retry "${uri}" aws s3 sync --only-show-errors "${uri}" "${dest}"
@@ -770,7 +769,7 @@ main() {
   TEE_PID=$!
   trap finish EXIT
   log "pod ${HOSTNAME:-?}$( ((NNODES > 1)) && echo " (node ${NODE_RANK} of ${NNODES})") starting: code ${S3_CODE_URI}, data ${S3_DATA_URI}, output ${S3_OUTPUT_URI}, ${NPROC_PER_NODE} process(es), sync with ${S3_SYNC_TOOL}"
-  need_cmd "${S3_SYNC_TOOL}" "install awscli or s5cmd in the image"
+  need_cmd "${S3_SYNC_TOOL}" "install awscli or s5cmd in the image (S3_SYNC_TOOL=auto takes either)"
 
   phase "check S3 access" check_access
   if already_complete; then
