@@ -1,8 +1,8 @@
 """Every GPU figure beside its floor, in one command of at most 8 minutes on one GPU (issue 27):
 
-    python lab/benchmark.py gpu --json FILE [--cpu] [--budget SECONDS] [--only PART]...
+    python lab/benchmark.py gpu --json FILE [--cpu] [--budget SECONDS] [--only PART]... [--candidate NAME]...
 
-Parts, in this order; the JSON (bench_report.GPU_KEYS) is rewritten after each, and a part that
+Parts, in this order (or --only's); the JSON (bench_report.GPU_KEYS) is rewritten after each, and a part that
 fails or is not reached within --budget leaves its keys null with the reason in `how`:
   trainer     train.py on config/conf.yaml (GPT-2 124M, compile, bf16, 0.5M tokens a step): tokens/s
               and MFU over a window of steps, beside the bare loop's
@@ -20,6 +20,7 @@ fails or is not reached within --budget leaves its keys null with the reason in 
   probe       the micro-batch probe (code/speed.py), train.py with train.micro_batch: auto, and the
               bare loop at the micro-batch it picks (its peak memory)
   candidates  train.py with each speed setting alone, over the trainer part's run, while --budget lasts
+              (--candidate NAME, repeatable: only those, in that order; a candidate not run says why)
 --cpu (the default without CUDA): the same parts on a tiny model, float32, no compile: the command
 works, the figures mean nothing. Nothing here reads the network.
 """
@@ -167,8 +168,9 @@ class Bench:
     """What the parts share: the mode, the work folder, the data, the config, the deadline, and
     what earlier parts measured (the trainer part's run is the floor of several others)."""
 
-    def __init__(self, mode: Mode, work: Path, budget_s: float):
+    def __init__(self, mode: Mode, work: Path, budget_s: float, candidates: list[str] | None = None):
         self.mode, self.work = mode, work
+        self.candidates = candidates  # --candidate names, in order; None: every candidate
         self.deadline = time.monotonic() + budget_s
         self.data = work / "data"
         self.config = work / "train.yaml"
@@ -558,13 +560,29 @@ CANDIDATES = [
 CANDIDATE_MIN_S = 60  # a new compile and the steps: what a candidate needs left of the budget on a GPU
 
 
+def candidate_names() -> list[str]:
+    """The names --candidate takes: each key without its gpu_candidate_ prefix."""
+    return [key.removeprefix("gpu_candidate_") for key, _, _ in CANDIDATES]
+
+
+def chosen_candidates(names: list[str] | None) -> list[tuple[str, list[str], bool]]:
+    """CANDIDATES in the order `names` gives them (all, in their own order, when none are given)."""
+    if not names:
+        return list(CANDIDATES)
+    by_name = {key.removeprefix("gpu_candidate_"): (key, sets, on_cpu) for key, sets, on_cpu in CANDIDATES}
+    return [by_name[name] for name in names]
+
+
 def part_candidates(bench: Bench, after_each=lambda figures: None) -> dict:
     if bench.reference is None:
         raise RuntimeError("needs the trainer part's run (its floor) in the same invocation")
     steps = bench.mode.candidate_steps
     floor = speed(bench.reference, bench.tokens_per_step(), LOG_EVERY, steps)
-    figures = {}
-    for key, sets, on_cpu in CANDIDATES:
+    chosen = chosen_candidates(bench.candidates)
+    named = {key for key, _, _ in chosen}
+    figures = {key: unmeasured(key, "not named by --candidate in this invocation")
+               for key, _, _ in CANDIDATES if key not in named}
+    for key, sets, on_cpu in chosen:
         if not bench.mode.cuda and not on_cpu:
             figures[key] = unmeasured(key, f"GPU only ({' '.join(sets)}): not run in the CPU mode")
             continue
@@ -619,9 +637,11 @@ PART_MIN_S = {"trainer": 90, "bare": 40, "probe": 100, "stall": 90, "sigterm": 5
               "candidates": 60}
 
 
-def measure(mode: Mode, work: Path, budget_s: float, only: list[str], after_each=lambda figures: None) -> dict:
-    """Every GPU key the parts in `only` measure; after_each(figures) after each part."""
-    bench = Bench(mode, work, budget_s)
+def measure(mode: Mode, work: Path, budget_s: float, only: list[str], after_each=lambda figures: None,
+            candidates: list[str] | None = None) -> dict:
+    """Every GPU key the parts in `only` measure, in that order (the candidates part: those named in
+    `candidates`, in that order, else all); after_each(figures) after each part."""
+    bench = Bench(mode, work, budget_s, candidates)
     bench.prepare()
     figures: dict[str, dict] = {}
     for part in only:

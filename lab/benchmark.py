@@ -16,7 +16,7 @@ stall model below and a pod of GPT-2 124M's shape. --tiny (the tests'): --quick 
 upload intervals: the keys and the paths, no figure. A part that fails leaves its keys null with the
 reason in `how`; the others still run.
 
-    python lab/benchmark.py gpu --json F [--cpu] [--budget S] [--only PART]...  # every GPU figure
+    python lab/benchmark.py gpu --json F [--cpu] [--budget S] [--only PART]... [--candidate NAME]...  # every GPU figure
 
 gpu: lab/bench_gpu.py's parts (bench_report.GPU_KEYS) on one GPU in at most 8 minutes, or on a tiny
 model on a CPU (--cpu, or no CUDA): tokens/s and MFU of train.py beside a bare loop, the micro-batch
@@ -435,10 +435,15 @@ def run_gpu(args) -> int:
         print(f"benchmark.py gpu: unknown part {', '.join(unknown)}; the parts are {', '.join(bench_gpu.PARTS)}",
               file=sys.stderr)
         return 64
+    unknown = sorted(set(args.candidate or ()) - set(bench_gpu.candidate_names()))
+    if unknown:
+        print(f"benchmark.py gpu: unknown candidate {', '.join(unknown)}; the candidates are "
+              f"{', '.join(bench_gpu.candidate_names())}", file=sys.stderr)
+        return 64
     print(f"benchmark.py gpu: {mode.name} mode, parts {', '.join(only)}, budget {budget:.0f} s", flush=True)
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-", dir=os.environ.get("BENCH_DIR")))
     try:
-        result = write(bench_gpu.measure(mode, work, budget, only, write))
+        result = write(bench_gpu.measure(mode, work, budget, only, write, args.candidate))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -462,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(the tests': no figure)")
     parser.add_argument("--only", action="append",
                         help=f"all: only this part (repeatable): {', '.join(PARTS)}; gpu: one of lab/bench_gpu.py's")
+    parser.add_argument("--candidate", action="append",
+                        help="gpu: only this speed setting in the candidates part (repeatable, run in this order)")
     parser.add_argument("--cpu", action="store_true", help="gpu: the CPU mode (tiny model) even with a GPU")
     parser.add_argument("--budget", type=float, help="gpu: seconds; parts not started in time are skipped")
     parser.add_argument("--keep", action="store_true", help="gpu: keep the runs' folders (their logs: runs.log)")

@@ -25,3 +25,19 @@ def test_every_part_key_is_a_gpu_key_and_every_gpu_key_has_a_part():
     keys = [key for part in bench_gpu.PARTS for key in bench_gpu.PART_KEYS[part]]
     assert sorted(keys) == sorted(GPU_KEYS) and len(keys) == len(set(keys))
     assert set(bench_gpu.PARTS) == set(bench_gpu.PART_KEYS) == set(bench_gpu.PART_MIN_S)
+
+
+def test_candidate_names_pick_the_candidates_and_their_order(tmp_path):
+    assert [key for key, _, _ in bench_gpu.chosen_candidates(["attention_cudnn", "loss_chunk"])] == [
+        "gpu_candidate_attention_cudnn", "gpu_candidate_loss_chunk"]
+    assert bench_gpu.chosen_candidates(None) == bench_gpu.CANDIDATES
+    assert set(bench_gpu.candidate_names()) == {key.removeprefix("gpu_candidate_") for key in bench_gpu.PART_KEYS["candidates"]}
+
+
+def test_an_unknown_candidate_is_bad_input_before_anything_runs(tmp_path, capsys):
+    import benchmark
+
+    assert benchmark.main(["gpu", "--cpu", "--json", str(tmp_path / "gpu.json"), "--candidate", "warp_speed"]) == 64
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("benchmark.py gpu: unknown candidate warp_speed; the candidates are loss_chunk, ")
+    assert not (tmp_path / "gpu.json").exists()
