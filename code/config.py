@@ -145,7 +145,7 @@ class SystemConfig:
     dtype: str = "bfloat16"  # autocast dtype on CUDA; CPU always runs float32
     compile: bool = False
     peak_tflops: float = 0.0  # for MFU on GPUs this file does not know; 0: look it up by name
-    compile_mode: str = "default"  # torch.compile's mode (reduce-overhead: CUDA graphs)
+    compile_mode: str = "default"  # torch.compile's mode (reduce-overhead, max-autotune: CUDA graphs)
     inductor: str = ""  # torch._inductor.config flags to turn on, comma-separated (coordinate_descent_tuning)
 
     def check(self) -> None:

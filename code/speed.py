@@ -3,6 +3,7 @@ behaviour before the setting existed.
 
     model = speed.compiled(raw_model, cfg.system)      # system.compile, compile_mode, inductor
     multiple = speed.micro_multiple(cfg, device, local_steps, peak_of)   # train.micro_batch
+    speed.check_cuda_graphs(cfg.system, device, passes)  # CUDA graphs: one backward a step only
     speed.mark_step(cfg.system, device)                # before a forward under CUDA graphs
 
 train.micro_batch: auto on a GPU runs a probe: forward and backward (eager, under the step's
@@ -49,13 +50,27 @@ def set_inductor_flags(flags: list[str]) -> None:
         setattr(owner, name, True)
 
 
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's modes that replay CUDA graphs
+
+
 def uses_cuda_graphs(system: SystemConfig, device: torch.device) -> bool:
-    return system.compile and system.compile_mode == "reduce-overhead" and device.type == "cuda"
+    return system.compile and system.compile_mode in CUDA_GRAPH_MODES and device.type == "cuda"
+
+
+def check_cuda_graphs(system: SystemConfig, device: torch.device, passes: int) -> None:
+    """CUDA graphs with more than one backward a step are bad input: the first backward's gradients
+    become the parameters' .grad while they are still the graph's output buffers, and the next
+    replay overwrites them (pytorch/pytorch#169545; train.py stopped at its first step so on an
+    H200 with torch 2.11, 2026-11-28). One pass a step has a single backward."""
+    if uses_cuda_graphs(system, device) and passes > 1:
+        raise ConfigError(f"system.compile_mode={system.compile_mode} replays CUDA graphs, which overwrite the "
+                          f"gradients train.py sums over its {passes} forward passes a step (pytorch issue 169545); "
+                          f"use max-autotune-no-cudagraphs, or set train.micro_batch to one pass a step")
 
 
 def mark_step(system: SystemConfig, device: torch.device) -> None:
-    """Under CUDA graphs (compile_mode reduce-overhead) each forward starts a new step of the graph
-    trees: the outputs of the one before may be overwritten (the trainer has summed them by then)."""
+    """Under CUDA graphs each forward starts a new step of the graph trees: the outputs of the one
+    before may be overwritten (the trainer has summed the loss by then)."""
     if uses_cuda_graphs(system, device):
         torch.compiler.cudagraph_mark_step_begin()
 
@@ -113,6 +128,16 @@ def micro_multiple(cfg: Config, device: torch.device, local_steps: int,
     log(f"train.micro_batch auto: {chosen * cfg.train.batch_size} sequences per forward pass (probed peaks {shown}; "
         f"cap {cap / 2**30:.1f} GiB of {total / 2**30:.1f})")
     return chosen
+
+
+def kept_on_resume(saved, batch_size: int, probed: int, local_steps: int) -> int:
+    """Batches per pass for auto on resume: the checkpoint's (`saved`, sequences a pass, as read from
+    it) where it is a whole multiple that divides the micro-steps per process and is no larger than
+    the probe's; else the probe's."""
+    if isinstance(saved, bool) or not isinstance(saved, int) or saved <= 0 or saved % batch_size:
+        return probed
+    multiple = saved // batch_size
+    return multiple if multiple <= probed and local_steps % multiple == 0 else probed
 
 
 @contextlib.contextmanager

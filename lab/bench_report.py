@@ -65,7 +65,6 @@ GPU_KEYS: dict[str, tuple[str, tuple[str, str, float] | None]] = {
     "gpu_candidate_attention_flash": ("tokens/s", None),
     "gpu_candidate_attention_cudnn": ("tokens/s", None),
     "gpu_candidate_attention_efficient": ("tokens/s", None),
-    "gpu_candidate_reduce_overhead": ("tokens/s", None),
     "gpu_candidate_coordinate_descent": ("tokens/s", None),
     "gpu_candidate_max_autotune": ("tokens/s", None),
 }

@@ -24,7 +24,7 @@ TOKENS_KEYS = ("gpu_trainer_tokens_per_s", "gpu_bare_tokens_per_s", "gpu_bare_be
                "gpu_trainer_auto_tokens_per_s", "gpu_checkpoint_stall", "gpu_checkpoint_stall_sync",
                "gpu_candidate_loss_chunk")
 GPU_ONLY = ("gpu_finetune_full_resume", "gpu_finetune_fsdp_resume", "gpu_trainer_mfu", "gpu_trainer_auto_mfu", "gpu_micro_batch_peak_bytes",
-            "gpu_candidate_attention_flash", "gpu_candidate_attention_cudnn", "gpu_candidate_reduce_overhead",
+            "gpu_candidate_attention_flash", "gpu_candidate_attention_cudnn",
             "gpu_candidate_max_autotune")
 
 

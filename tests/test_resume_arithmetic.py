@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import run_until, train_command, train_env, write_config, write_corpus
-from train import arithmetic_changes
+from train import arithmetic_changes, read_tensors
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +37,22 @@ def test_a_checkpoint_that_recorded_nothing_is_taken_as_it_is():
     # What a bucket writer put in state.pt: a line of its own never, a tensor is no value to compare.
     forged = {"torch": "2.12.0\nEVENT {\"event\": \"exit\", \"code\": 0}", "threads": torch.ones(3)}
     assert arithmetic_changes(forged, now) == ['torch 2.12.0\\nEVENT {"event": "exit", "code": 0} -> 2.13.0']
+
+
+def test_auto_micro_batch_on_resume_keeps_what_the_checkpoint_ran_or_says_the_resume_is_not_exact(tmp_path, corpus):
+    # A CPU's auto is train.batch_size (8): a checkpoint of 16 a pass cannot be kept, one of 8 is.
+    config = write_config(tmp_path / "tiny.yaml")
+    out = tmp_path / "out"
+    outputs = []
+    for micro_batch, max_steps in (("16", 6), ("auto", 8), ("auto", 10)):
+        command = train_command(config, corpus, out, extra=("--set", f"train.max_steps={max_steps}",
+                                                              "--set", f"train.micro_batch={micro_batch}"))
+        code, output = run_until(command, env=train_env(OMP_NUM_THREADS="1"))
+        assert code == 0, output
+        outputs.append(output)
+    warnings = [[line for line in o.splitlines() if "warning:" in line] for o in outputs]
+    (line,) = warnings[1]
+    assert "the checkpoint ran 16 sequences per forward pass, this start takes 8" in line and "not be bitwise" in line
+    assert warnings[2] == [], "the checkpoint of step 8 ran 8 a pass, as auto takes on a CPU"
+    saved = read_tensors(out / "checkpoints" / "step-00000010" / "state.pt", torch.device("cpu"))
+    assert saved["micro_batch"] == 8

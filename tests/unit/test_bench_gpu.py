@@ -41,3 +41,14 @@ def test_an_unknown_candidate_is_bad_input_before_anything_runs(tmp_path, capsys
     line = capsys.readouterr().err.strip()
     assert line.startswith("benchmark.py gpu: unknown candidate warp_speed; the candidates are loss_chunk, ")
     assert not (tmp_path / "gpu.json").exists()
+
+
+def test_the_gpu_trainer_part_runs_the_shipped_config_at_one_batch_a_pass(tmp_path):
+    import yaml
+
+    from podlab import ROOT
+
+    shipped = yaml.safe_load((ROOT / "config" / "conf.yaml").read_text())
+    bench = yaml.safe_load(bench_gpu.gpu_config())
+    assert bench["train"].pop("micro_batch") == 0 and shipped["train"].pop("micro_batch") == "auto"
+    assert bench == shipped

@@ -156,3 +156,35 @@ def test_inductor_flags_are_set_and_an_unknown_one_is_bad_input():
         speed.set_inductor_flags(["no_such_flag"])
     with pytest.raises(config.ConfigError, match="no on/off flag"):
         speed.set_inductor_flags(["max_autotune_gemm_backends"])  # a string, not a flag
+
+
+@pytest.mark.parametrize("saved,probed,kept", [
+    (24, 4, 2),           # the checkpoint's 2 batches a pass: it fits under the probe's 4, so it is kept
+    (48, 4, 4),           # its 4 fit: kept (the same as the probe's)
+    (96, 4, 4),           # 8 batches a pass: more than this GPU fits, the probe's
+    (36, 4, 4),           # 3 batches a pass does not divide 8 micro-steps: the probe's
+    (20, 4, 4),           # not a whole number of batches: the probe's
+    (None, 4, 4), (True, 4, 4), ("24", 4, 4), (-12, 4, 4), (0, 4, 4), (2.0 * 12, 4, 4),  # as read from a bucket
+])
+def test_auto_on_resume_keeps_the_checkpoint_micro_batch_only_where_it_fits(saved, probed, kept):
+    assert speed.kept_on_resume(saved, 12, probed, 8) == kept
+
+
+@pytest.mark.parametrize("mode,device,passes,refused", [
+    ("reduce-overhead", "cuda", 2, True),
+    ("max-autotune", "cuda", 10, True),
+    ("reduce-overhead", "cuda", 1, False),    # one backward a step: nothing is summed over replays
+    ("max-autotune-no-cudagraphs", "cuda", 10, False),
+    ("default", "cuda", 10, False),
+    ("reduce-overhead", "cpu", 10, False),    # no CUDA graphs off a GPU
+])
+def test_cuda_graphs_with_several_backward_passes_a_step_are_bad_input(tmp_path, mode, device, passes, refused):
+    cfg = config.load(write_config(tmp_path / "c.yaml"), [f"system.compile_mode={mode}", "system.compile=true"])
+    if not refused:
+        speed.check_cuda_graphs(cfg.system, torch.device(device), passes)
+        return
+    with pytest.raises(config.ConfigError) as err:
+        speed.check_cuda_graphs(cfg.system, torch.device(device), passes)
+    line = str(err.value)
+    assert line.startswith(f"system.compile_mode={mode} replays CUDA graphs") and "\n" not in line
+    assert f"over its {passes} forward passes a step" in line and "max-autotune-no-cudagraphs" in line
