@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import errno
 import gc
+import importlib
 import mmap
 import multiprocessing
 import os
@@ -277,11 +278,15 @@ class AsyncSaver:
 
     def __init__(self, device: torch.device, log: Callable[[str], None],
                  beat: Callable[[], None] = lambda: None,
-                 on_commit: Callable[[Path, int, float, float], None] = lambda *report: None):
+                 on_commit: Callable[[Path, int, float, float], None] = lambda *report: None,
+                 preload: tuple[str, ...] = ()):
         """`on_commit(final, bytes, seconds, blocked_seconds)` is called here, in the trainer, once
         poll() or wait() sees a save committed: seconds from submit() to the commit, blocked_seconds
-        of those that submit() held training (the copy, and a wait for the save before it)."""
+        of those that submit() held training (the copy, and a wait for the save before it).
+        `preload`: modules the save process imports as it starts, not at its first save (a
+        sharded save's request needs `sharded`, whose torch.distributed imports take 0.7 s here)."""
         self.device, self.log, self.beat, self.on_commit = device, log, beat, on_commit
+        self.preload = preload
         self._process = None
         self._conn = None
         self._buffer = None
@@ -417,8 +422,8 @@ class AsyncSaver:
             return
         context = multiprocessing.get_context("spawn")
         ours, theirs = context.Pipe(duplex=True)
-        self._process = context.Process(target=_serve, args=(theirs, os.getpid()), name="checkpoint-saver",
-                                        daemon=True)
+        self._process = context.Process(target=_serve, args=(theirs, os.getpid(), self.preload),
+                                        name="checkpoint-saver", daemon=True)
         with _stop_signals_ignored_by_children():
             self._process.start()
         theirs.close()  # only the child holds that end now: its death reads as EOF here
@@ -490,13 +495,15 @@ class AsyncSaver:
 
 # -- the save process ----------------------------------------------------------------------------
 
-def _serve(conn, trainer_pid: int) -> None:
+def _serve(conn, trainer_pid: int, preload: tuple[str, ...] = ()) -> None:
     """The save process: map the buffer it is handed, commit each request, answer with the outcome."""
     _die_with_parent(trainer_pid)
     for sig in (signal.SIGTERM, signal.SIGINT):  # the trainer decides when to stop; it waits for us
         signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(1)
     os.nice(SAVER_NICENESS)
+    for name in preload:  # while training runs: a stop's save that comes early does not wait for it
+        importlib.import_module(name)
     buffer = None
     while True:
         try:

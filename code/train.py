@@ -355,7 +355,8 @@ class Trainer:
         self.shards = None
         fsdp = cfg.train.parallelism == "fsdp"
         self.saver = (AsyncSaver(rt.device, log if rt.master else _quiet, self.heartbeat.beat,
-                                 on_commit=report_checkpoint if rt.master else lambda *_: None)
+                                 on_commit=report_checkpoint if rt.master else lambda *_: None,
+                                 preload=("sharded",) if fsdp else ())
                       if cfg.checkpoint.async_save and (rt.master or fsdp) else None)
         if fsdp:
             import sharded  # torch.distributed.fsdp and .checkpoint: only for the runs that use them

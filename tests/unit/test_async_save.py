@@ -5,6 +5,7 @@ buffer, put back together, serializes to exactly the bytes torch.save writes of 
 from __future__ import annotations
 
 import collections
+import time
 import io
 import mmap
 import zipfile
@@ -184,3 +185,20 @@ def test_a_failed_save_says_where_it_failed():
     assert outcome == "error"
     assert why.startswith("TypeError: 'NoneType' object is not subscriptable (raised at test_async_save.py:")
     assert why.endswith(" in save)")
+
+
+def test_the_save_process_imports_its_preload_as_it_starts_not_at_its_first_save(tmp_path, monkeypatch):
+    # A module that leaves a mark when imported; spawn hands the child the parent's sys.path.
+    (tmp_path / "preload_mark.py").write_text(
+        "import os, pathlib\npathlib.Path(os.environ['PRELOAD_MARK']).write_text(str(os.getpid()))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PRELOAD_MARK", str(tmp_path / "imported"))
+    saver = async_save.AsyncSaver(torch.device("cpu"), log=lambda line: None, preload=("preload_mark",))
+    try:
+        saver.start()
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "imported").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "imported").read_text() == str(saver._process.pid), "imported in the save process"
+    finally:
+        saver.close()
