@@ -25,12 +25,12 @@ import collections
 import contextlib
 import ctypes
 import errno
-import gc
 import importlib
 import mmap
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -512,9 +512,11 @@ def _serve(conn, trainer_pid: int, preload: tuple[str, ...] = ()) -> None:
             return  # the trainer is gone
         if message[0] == "stop":
             # Every save was answered after its commit: nothing is left to flush. The interpreter's
-            # last garbage collection over torch's objects cost 0.6 s of every trainer's exit.
-            gc.freeze()
-            return
+            # finalization (torch's modules, its last garbage collection) is skipped: the trainer
+            # waits for this process to end, and it cost 0.42 s of a 124M trainer's exit here.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         if message[0] == "buffer":
             fd = reduction.recv_handle(conn)
             buffer = mmap.mmap(fd, message[1])
