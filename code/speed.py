@@ -3,7 +3,7 @@ behaviour before the setting existed.
 
     model = speed.compiled(raw_model, cfg.system)      # system.compile, compile_mode, inductor
     multiple = speed.micro_multiple(cfg, device, local_steps, peak_of)   # train.micro_batch
-    speed.check_cuda_graphs(cfg.system, device, passes)  # CUDA graphs: one backward a step only
+    speed.check_cuda_graphs(cfg.system, device, passes, one_pass)  # CUDA graphs: one backward a step only
     speed.mark_step(cfg.system, device)                # before a forward under CUDA graphs
 
 train.micro_batch: auto on a GPU runs a probe: forward and backward (eager, under the step's
@@ -57,15 +57,15 @@ def uses_cuda_graphs(system: SystemConfig, device: torch.device) -> bool:
     return system.compile and system.compile_mode in CUDA_GRAPH_MODES and device.type == "cuda"
 
 
-def check_cuda_graphs(system: SystemConfig, device: torch.device, passes: int) -> None:
+def check_cuda_graphs(system: SystemConfig, device: torch.device, passes: int, one_pass: int) -> None:
     """CUDA graphs with more than one backward a step are bad input: the first backward's gradients
     become the parameters' .grad while they are still the graph's output buffers, and the next
     replay overwrites them (pytorch/pytorch#169545; train.py stopped at its first step so on an
-    H200 with torch 2.11, 2026-11-28). One pass a step has a single backward."""
+    H200 with torch 2.11, 2026-11-28). One pass a step (`one_pass` sequences) has a single backward."""
     if uses_cuda_graphs(system, device) and passes > 1:
         raise ConfigError(f"system.compile_mode={system.compile_mode} replays CUDA graphs, which overwrite the "
                           f"gradients train.py sums over its {passes} forward passes a step (pytorch issue 169545); "
-                          f"use max-autotune-no-cudagraphs, or set train.micro_batch to one pass a step")
+                          f"use max-autotune-no-cudagraphs, or train.micro_batch={one_pass} (one pass a step)")
 
 
 def mark_step(system: SystemConfig, device: torch.device) -> None:
@@ -130,14 +130,51 @@ def micro_multiple(cfg: Config, device: torch.device, local_steps: int,
     return chosen
 
 
-def kept_on_resume(saved, batch_size: int, probed: int, local_steps: int) -> int:
-    """Batches per pass for auto on resume: the checkpoint's (`saved`, sequences a pass, as read from
-    it) where it is a whole multiple that divides the micro-steps per process and is no larger than
-    the probe's; else the probe's."""
-    if isinstance(saved, bool) or not isinstance(saved, int) or saved <= 0 or saved % batch_size:
+def saved_micro_batch(state) -> int | None:
+    """Sequences a forward pass the checkpoint's run took, from its train state (read from a bucket:
+    untrusted): its `micro_batch`, else, for a checkpoint from before that was recorded, its
+    config's fixed train.micro_batch (0: its train.batch_size); None where neither says."""
+    def whole(value) -> bool:
+        return type(value) is int and value > 0
+
+    if not isinstance(state, dict):
+        return None
+    if whole(state.get("micro_batch")):
+        return state["micro_batch"]
+    train = (state.get("config") or {}).get("train") if isinstance(state.get("config"), dict) else None
+    if not isinstance(train, dict) or not whole(train.get("batch_size")):
+        return None
+    fixed = train.get("micro_batch", 0)
+    if fixed == 0 and type(fixed) is int:
+        return train["batch_size"]
+    return fixed if whole(fixed) else None
+
+
+def kept_on_resume(saved: int | None, batch_size: int, probed: int, local_steps: int) -> int:
+    """Batches per pass for auto on resume: the checkpoint's (`saved` sequences a pass) where it is a
+    whole multiple that divides the micro-steps per process and is no larger than the probe's; else
+    the probe's."""
+    if type(saved) is not int or saved <= 0 or saved % batch_size:
         return probed
     multiple = saved // batch_size
     return multiple if multiple <= probed and local_steps % multiple == 0 else probed
+
+
+def resumed_multiple(saved: int | None, batch_size: int, probed: int, local_steps: int) -> tuple[int, str | None]:
+    """auto on resume: (batches a pass, a line to log or None). The checkpoint's micro-batch where it
+    still fits keeps the steps bitwise those of an uninterrupted run; otherwise the line warns."""
+    kept = kept_on_resume(saved, batch_size, probed, local_steps)
+    if kept != probed:
+        return kept, (f"train.micro_batch auto: {kept * batch_size} sequences per forward pass, as the checkpoint "
+                      f"ran (the probe found room for {probed * batch_size}; train.micro_batch={probed * batch_size} "
+                      f"takes it, and the steps from here are then not bitwise those of an uninterrupted run)")
+    if saved == probed * batch_size:
+        return kept, None
+    ran = (f"ran {saved} sequences per forward pass" if saved is not None else
+           "does not say how many sequences per forward pass it ran")
+    return kept, (f"warning: train.micro_batch auto: the checkpoint {ran}, this start takes {probed * batch_size}: "
+                  f"the steps from here will not be bitwise those of an uninterrupted run; set train.micro_batch "
+                  f"to a fixed value for that")
 
 
 @contextlib.contextmanager

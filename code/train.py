@@ -346,7 +346,7 @@ class Trainer:
         self.hashed_by = "trainer"  # who hashed the checkpoint resumed from against its manifest
         self.started = time.monotonic()
         self.micro_multiple = 1  # batches per forward pass (train.micro_batch), set once built
-        self.saved_micro_batch = None  # sequences a pass the checkpoint resumed from ran (untrusted)
+        self.saved_micro_batch: int | None = None  # sequences a pass the checkpoint resumed from ran
 
         self.raw_model: GPT | None = None  # built by load(), once it knows whether a checkpoint fills it
         self.optimizer: torch.optim.Optimizer | None = None
@@ -455,7 +455,7 @@ class Trainer:
         self.best_step = state["best_step"]
         self.val_loss = state.get("val_loss")
         self.train_loss = state.get("train_loss")
-        self.saved_micro_batch = state.get("micro_batch")
+        self.saved_micro_batch = speed.saved_micro_batch(state)
         if self.rt.master:
             log(f"resumed from {folder.name} (step {self.step}) in {time.monotonic() - started:.1f}s")
             if self.step >= self.cfg.train.max_steps:
@@ -589,7 +589,8 @@ class Trainer:
         speed.check_device(self.cfg, self.rt.device)
         self.micro_multiple = self._micro_multiple()
         local_steps = self.cfg.train.grad_accum_steps // self.rt.world_size
-        speed.check_cuda_graphs(self.cfg.system, self.rt.device, local_steps // self.micro_multiple)
+        speed.check_cuda_graphs(self.cfg.system, self.rt.device, local_steps // self.micro_multiple,
+                                local_steps * self.cfg.train.batch_size)
         model = speed.compiled(self.raw_model, self.cfg.system)
         if self.rt.ddp and not self.shards:  # FSDP's model is sharded as it is built (_build)
             model = DDP(model, device_ids=[self.rt.local_rank] if self.rt.device.type == "cuda" else None)
@@ -636,26 +637,18 @@ class Trainer:
                                       self.cfg.model.vocab_size)
         multiple = speed.micro_multiple(self.cfg, self.rt.device, local_steps, peak_of,
                                         log if self.rt.master else _quiet)
-        if self.cfg.train.micro_multiple() is None and self.saved_micro_batch is not None:
-            multiple = self._kept_micro_multiple(multiple, local_steps)
-        if self.rt.ddp and self.cfg.train.micro_multiple() is None:
+        if self.cfg.train.micro_multiple() is not None:
+            return multiple
+        if self.rt.ddp:
             agreed = torch.tensor([multiple])
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.rt.cpu_group)
             multiple = int(agreed.item())
+        if self.step > 0:  # resumed: every rank read the same checkpoint, so all decide alike
+            multiple, line = speed.resumed_multiple(self.saved_micro_batch, self.cfg.train.batch_size, multiple,
+                                                    local_steps)
+            if line and self.rt.master:
+                log(line)
         return multiple
-
-    def _kept_micro_multiple(self, probed: int, local_steps: int) -> int:
-        """auto on resume: the checkpoint's micro-batch where it still fits, so the steps from here are
-        bitwise those of an uninterrupted run; else the probe's, with a warning."""
-        kept = speed.kept_on_resume(self.saved_micro_batch, self.cfg.train.batch_size, probed, local_steps)
-        if kept != probed and self.rt.master:
-            log(f"train.micro_batch auto: {kept * self.cfg.train.batch_size} sequences per forward pass, as the "
-                f"checkpoint ran (the probe found room for {probed * self.cfg.train.batch_size})")
-        elif self.rt.master and self.saved_micro_batch != probed * self.cfg.train.batch_size:
-            log(f"warning: train.micro_batch auto: the checkpoint ran {shown(self.saved_micro_batch)} sequences per "
-                f"forward pass, this start takes {probed * self.cfg.train.batch_size}: the steps from here will not "
-                f"be bitwise those of an uninterrupted run; set train.micro_batch to a fixed value for that")
-        return kept
 
     def _reserve_snapshot(self) -> None:
         """After the first step the optimizer holds its state: the background save's buffer is set

@@ -579,7 +579,7 @@ def chosen_candidates(names: list[str] | None) -> list[tuple[str, list[str], boo
     if not names:
         return list(CANDIDATES)
     by_name = {key.removeprefix("gpu_candidate_"): (key, sets, on_cpu) for key, sets, on_cpu in CANDIDATES}
-    return [by_name[name] for name in names]
+    return [by_name[name] for name in dict.fromkeys(names)]  # a name given twice runs once
 
 
 def part_candidates(bench: Bench, after_each=lambda figures: None) -> dict:

@@ -436,6 +436,10 @@ def run_gpu(args) -> int:
               file=sys.stderr)
         return 64
     unknown = sorted(set(args.candidate or ()) - set(bench_gpu.candidate_names()))
+    if args.candidate and "candidates" not in only:
+        print("benchmark.py gpu: --candidate picks within the candidates part; add --only candidates (and --only "
+              "trainer, its floor)", file=sys.stderr)
+        return 64
     if unknown:
         print(f"benchmark.py gpu: unknown candidate {', '.join(unknown)}; the candidates are "
               f"{', '.join(bench_gpu.candidate_names())}", file=sys.stderr)

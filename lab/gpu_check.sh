@@ -7,7 +7,7 @@
 #   lab/gpu_check.sh --wheels        here, once (PyPI only): the wheels the GPU image lacks (datasets,
 #                                    dill, multiprocess, the versions of .venv) into .whl/ (git-ignored)
 #   lab/gpu_check.sh [ARGS...]       on the GPU machine; ARGS go to `lab/benchmark.py gpu`
-#                                    (--only PART..., --budget S; default budget 420 s)
+#                                    (--only PART..., --candidate NAME..., --budget S; default budget 420 s)
 #   lab/gpu_check.sh --cpu           the dry path: the CPU mode's tiny model (any machine, ~3 minutes)
 #
 # Through the device tool, one call: command "lab/gpu_check.sh --budget 480", carry [".whl"], timeout_s 590.

@@ -31,6 +31,7 @@ def test_candidate_names_pick_the_candidates_and_their_order(tmp_path):
     assert [key for key, _, _ in bench_gpu.chosen_candidates(["attention_cudnn", "loss_chunk"])] == [
         "gpu_candidate_attention_cudnn", "gpu_candidate_loss_chunk"]
     assert bench_gpu.chosen_candidates(None) == bench_gpu.CANDIDATES
+    assert len(bench_gpu.chosen_candidates(["loss_chunk", "loss_chunk"])) == 1
     assert set(bench_gpu.candidate_names()) == {key.removeprefix("gpu_candidate_") for key in bench_gpu.PART_KEYS["candidates"]}
 
 
@@ -52,3 +53,11 @@ def test_the_gpu_trainer_part_runs_the_shipped_config_at_one_batch_a_pass(tmp_pa
     bench = yaml.safe_load(bench_gpu.gpu_config())
     assert bench["train"].pop("micro_batch") == 0 and shipped["train"].pop("micro_batch") == "auto"
     assert bench == shipped
+
+
+def test_a_candidate_named_without_the_candidates_part_is_bad_input(tmp_path, capsys):
+    import benchmark
+
+    assert benchmark.main(["gpu", "--cpu", "--only", "trainer", "--candidate", "loss_chunk"]) == 64
+    assert capsys.readouterr().err.strip() == ("benchmark.py gpu: --candidate picks within the candidates part; "
+                                               "add --only candidates (and --only trainer, its floor)")

@@ -170,6 +170,35 @@ def test_auto_on_resume_keeps_the_checkpoint_micro_batch_only_where_it_fits(save
     assert speed.kept_on_resume(saved, 12, probed, 8) == kept
 
 
+def test_a_resume_that_keeps_the_checkpoint_micro_batch_says_so_and_one_that_cannot_warns():
+    kept, line = speed.resumed_multiple(24, 12, 4, 8)
+    assert kept == 2 and line.startswith("train.micro_batch auto: 24 sequences per forward pass, as the checkpoint ran")
+    assert "train.micro_batch=48 takes it" in line and "warning" not in line
+    assert speed.resumed_multiple(48, 12, 4, 8) == (4, None), "the probe's own choice: nothing to say"
+    kept, line = speed.resumed_multiple(96, 12, 4, 8)
+    assert kept == 4 and line.startswith("warning: train.micro_batch auto: the checkpoint ran 96 sequences")
+    assert "takes 48" in line and "not be bitwise" in line and "\n" not in line
+    kept, line = speed.resumed_multiple(None, 12, 4, 8)
+    assert kept == 4 and line.startswith("warning: train.micro_batch auto: the checkpoint does not say how many "
+                                         "sequences per forward pass it ran, this start takes 48")
+
+
+@pytest.mark.parametrize("state,expected", [
+    ({"micro_batch": 96, "config": {"train": {"batch_size": 12, "micro_batch": 0}}}, 96),
+    ({"config": {"train": {"batch_size": 12, "micro_batch": 0}}}, 12),      # from before it was recorded
+    ({"config": {"train": {"batch_size": 12}}}, 12),                        # from before micro_batch existed
+    ({"config": {"train": {"batch_size": 12, "micro_batch": 48}}}, 48),
+    ({"config": {"train": {"batch_size": 12, "micro_batch": "auto"}}}, None),  # what auto took is unknown
+    # what a bucket writer put there: never a crash, never a value that is not a count
+    ({"micro_batch": torch.ones(3), "config": {"train": {"batch_size": 12}}}, 12),
+    ({"micro_batch": True}, None), ({"micro_batch": -12}, None), ({"config": "x"}, None),
+    ({"config": {"train": {"batch_size": "12", "micro_batch": 0}}}, None), ({"config": {"train": []}}, None),
+    (None, None), ([], None),
+])
+def test_the_checkpoint_micro_batch_is_read_as_an_untrusted_count(state, expected):
+    assert speed.saved_micro_batch(state) == expected
+
+
 @pytest.mark.parametrize("mode,device,passes,refused", [
     ("reduce-overhead", "cuda", 2, True),
     ("max-autotune", "cuda", 10, True),
@@ -181,10 +210,11 @@ def test_auto_on_resume_keeps_the_checkpoint_micro_batch_only_where_it_fits(save
 def test_cuda_graphs_with_several_backward_passes_a_step_are_bad_input(tmp_path, mode, device, passes, refused):
     cfg = config.load(write_config(tmp_path / "c.yaml"), [f"system.compile_mode={mode}", "system.compile=true"])
     if not refused:
-        speed.check_cuda_graphs(cfg.system, torch.device(device), passes)
+        speed.check_cuda_graphs(cfg.system, torch.device(device), passes, 480)
         return
     with pytest.raises(config.ConfigError) as err:
-        speed.check_cuda_graphs(cfg.system, torch.device(device), passes)
+        speed.check_cuda_graphs(cfg.system, torch.device(device), passes, 480)
     line = str(err.value)
     assert line.startswith(f"system.compile_mode={mode} replays CUDA graphs") and "\n" not in line
-    assert f"over its {passes} forward passes a step" in line and "max-autotune-no-cudagraphs" in line
+    assert f"over its {passes} forward passes a step" in line
+    assert line.endswith("use max-autotune-no-cudagraphs, or train.micro_batch=480 (one pass a step)")
