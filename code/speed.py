@@ -141,7 +141,8 @@ def saved_micro_batch(state) -> int | None:
         return None
     if whole(state.get("micro_batch")):
         return state["micro_batch"]
-    train = (state.get("config") or {}).get("train") if isinstance(state.get("config"), dict) else None
+    config = state.get("config")
+    train = config.get("train") if isinstance(config, dict) else None
     if not isinstance(train, dict) or not whole(train.get("batch_size")):
         return None
     fixed = train.get("micro_batch", 0)

@@ -2,10 +2,10 @@
 
     python lab/benchmark.py gpu --json FILE [--cpu] [--budget SECONDS] [--only PART]... [--candidate NAME]...
 
-Parts, in this order (or --only's); the JSON (bench_report.GPU_KEYS) is rewritten after each, and a part that
-fails or is not reached within --budget leaves its keys null with the reason in `how`:
-  trainer     train.py on config/conf.yaml (GPT-2 124M, compile, bf16, 0.5M tokens a step): tokens/s
-              and MFU over a window of steps, beside the bare loop's
+Parts, in this order (or --only's); the JSON (bench_report.GPU_KEYS) is rewritten after each, and a
+part that fails or is not reached within --budget leaves its keys null with the reason in `how`:
+  trainer     train.py on config/conf.yaml at train.micro_batch 0 (GPT-2 124M, compile, bf16, 0.5M
+              tokens a step): tokens/s and MFU over a window of steps, beside the bare loop's
   bare        the same model and step with no trainer (compile, bf16 autocast, fused AdamW, clipping,
               tokens already on the GPU): the floor of the two above
   stall       train.py with a checkpoint every ~10 s of training, in the background and synchronous,
