@@ -118,5 +118,6 @@ def test_pytorchjob_a_lost_worker_restarts_the_group_and_the_fine_tune_ends_bitw
     finally:
         job.stop(grace=10)
     assert job.outcome == ("Succeeded", "PyTorchJobSucceeded"), (job.history, job.output(0)[-3000:])
-    assert (0, 138, "restart") in job.history, job.history
+    # On failure, the pods' last lines say why (a 2-failure clean-clone run under extra load, 2026-11-28).
+    assert (0, 138, "restart") in job.history, (job.history, job.output(0)[-3000:], job.output(1)[-3000:])
     assert_every_rank_committed_and_equal(run, reference)
