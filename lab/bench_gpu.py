@@ -99,6 +99,7 @@ class Trace:
     started: float = 0.0
     ended: float = 0.0
     stop_sent: float | None = None
+    out_of_time: bool = False  # killed at its timeout (the budget), not ended by itself
 
     def marks(self) -> dict[int, float]:
         """Step -> when its `step` event came (the first time)."""
@@ -124,7 +125,11 @@ def stream(command: list[str], env: dict, timeout: float, stop_at_step: int | No
     trace = Trace(started=time.monotonic())
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=ROOT)
-    timer = threading.Timer(max(timeout, 1.0), proc.kill)
+    def out_of_time():
+        trace.out_of_time = True
+        proc.kill()
+
+    timer = threading.Timer(max(timeout, 1.0), out_of_time)
     timer.start()
     first_step = None
     try:
@@ -275,6 +280,9 @@ def base_sets(steps: int, log_every: int = LOG_EVERY) -> list[str]:
 
 
 def finished(trace: Trace, what: str) -> Trace:
+    if trace.out_of_time:  # a compile or autotuning that outlasts --budget is not a crash
+        raise RuntimeError(f"{what} was ended by the budget after {trace.ended - trace.started:.0f} s; give it a "
+                           f"call of its own (--only, --candidate): {trace.tail()}")
     if trace.code != 0:
         raise RuntimeError(f"{what} exited {trace.code}: {trace.tail()}")
     return trace

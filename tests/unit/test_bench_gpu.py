@@ -1,8 +1,13 @@
 """lab/bench_gpu.py's bookkeeping without running a trainer: the JSON is handed over after each
-part (a run cut short keeps what it measured), and a part that fails leaves its own keys null
-with the reason while the next part still runs."""
+part (a run cut short keeps what it measured), a part that fails leaves its own keys null
+with the reason while the next part still runs, and a run the budget ended says so."""
 
 from __future__ import annotations
+
+import os
+import sys
+
+import pytest
 
 import bench_gpu
 from bench_report import GPU_KEYS
@@ -61,3 +66,15 @@ def test_a_candidate_named_without_the_candidates_part_is_bad_input(tmp_path, ca
     assert benchmark.main(["gpu", "--cpu", "--only", "trainer", "--candidate", "loss_chunk"]) == 64
     assert capsys.readouterr().err.strip() == ("benchmark.py gpu: --candidate picks within the candidates part; "
                                                "add --only candidates (and --only trainer, its floor)")
+
+
+def test_a_run_killed_at_the_budget_says_so_and_a_crash_says_its_exit_code():
+    slow = bench_gpu.stream([sys.executable, "-c", "print('autotuning', flush=True); import time; time.sleep(30)"],
+                            dict(os.environ), timeout=1.0)
+    assert slow.out_of_time and slow.code == -9
+    with pytest.raises(RuntimeError, match=r"^slow was ended by the budget after [0-9]+ s; give it a call of its own"):
+        bench_gpu.finished(slow, "slow")
+    crash = bench_gpu.stream([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), timeout=30.0)
+    assert not crash.out_of_time
+    with pytest.raises(RuntimeError, match=r"^crash exited 3: "):
+        bench_gpu.finished(crash, "crash")
