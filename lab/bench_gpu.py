@@ -573,6 +573,10 @@ CANDIDATES = [
     ("gpu_candidate_attention_efficient", ["model.attention=efficient"], False),
     ("gpu_candidate_coordinate_descent", ["system.inductor=coordinate_descent_tuning"], False),
     ("gpu_candidate_max_autotune", ["system.compile_mode=max-autotune-no-cudagraphs"], False),
+    # FSDP gathers the weights and reduces the gradients at every pass: its speed at 40 passes a step
+    # and at 10 (48 sequences a pass fits an 80 GB GPU), each over DDP's at 40.
+    ("gpu_candidate_fsdp", ["train.parallelism=fsdp"], False),
+    ("gpu_candidate_fsdp_micro_batch_48", ["train.parallelism=fsdp", "train.micro_batch=48"], False),
 ]
 CANDIDATE_MIN_S = 60  # a new compile and the steps: what a candidate needs left of the budget on a GPU
 
@@ -610,7 +614,8 @@ def part_candidates(bench: Bench, after_each=lambda figures: None) -> dict:
         cpu_sets = [s.replace("micro_batch=auto", f"micro_batch={2 * bench.cfg().train.batch_size}") for s in sets]
         used = sets if bench.mode.cuda else cpu_sets
         try:
-            trace = finished(bench.train(key, base_sets(steps) + used), f"train.py ({' '.join(used)})")
+            launch = 1 if "train.parallelism=fsdp" in used else 0  # as the fsdp part runs it (NCCL's store)
+            trace = finished(bench.train(key, base_sets(steps) + used, torchrun=launch), f"train.py ({' '.join(used)})")
             tokens = speed(trace, bench.tokens_per_step(), LOG_EVERY, steps)
             figures[key] = figure(key, tokens, f"train.py with {' '.join(used)}, {describe(bench)}, tokens/s over "
                                                f"steps {LOG_EVERY}..{steps} over the trainer part's run, same steps",

@@ -67,6 +67,8 @@ GPU_KEYS: dict[str, tuple[str, tuple[str, str, float] | None]] = {
     "gpu_candidate_attention_efficient": ("tokens/s", None),
     "gpu_candidate_coordinate_descent": ("tokens/s", None),
     "gpu_candidate_max_autotune": ("tokens/s", None),
+    "gpu_candidate_fsdp": ("tokens/s", None),
+    "gpu_candidate_fsdp_micro_batch_48": ("tokens/s", None),
 }
 ALL_KEYS = {**KEYS, **GPU_KEYS}
 

@@ -25,7 +25,8 @@ TOKENS_KEYS = ("gpu_trainer_tokens_per_s", "gpu_bare_tokens_per_s", "gpu_bare_be
                "gpu_candidate_loss_chunk")
 GPU_ONLY = ("gpu_finetune_full_resume", "gpu_finetune_fsdp_resume", "gpu_trainer_mfu", "gpu_trainer_auto_mfu", "gpu_micro_batch_peak_bytes",
             "gpu_candidate_attention_flash", "gpu_candidate_attention_cudnn",
-            "gpu_candidate_max_autotune")
+            "gpu_candidate_max_autotune", "gpu_candidate_fsdp",
+            "gpu_candidate_fsdp_micro_batch_48")
 
 
 def check_every_key(figures: dict) -> dict:
