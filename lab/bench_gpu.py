@@ -280,7 +280,7 @@ def base_sets(steps: int, log_every: int = LOG_EVERY) -> list[str]:
 
 
 def finished(trace: Trace, what: str) -> Trace:
-    if trace.out_of_time:  # a compile or autotuning that outlasts --budget is not a crash
+    if trace.code != 0 and trace.out_of_time:  # a compile or autotuning that outlasts --budget is not a crash
         raise RuntimeError(f"{what} was ended by the budget after {trace.ended - trace.started:.0f} s; give it a "
                            f"call of its own (--only, --candidate): {trace.tail()}")
     if trace.code != 0:
