@@ -17,6 +17,14 @@ TORCH_ELASTIC_SHUTDOWN_TIMEOUT for that; torch 2.11 and older do not, so there a
 30 s was lost. Here the variable counts on every torch: it becomes the default
 of the call that waits for the workers (PContext.close's timeout), which a newer torch overrides
 with the same value.
+
+In a group of pods the rendezvous store lives in node 0's torchrun. When node 0's pod dies, another
+node's torchrun finds the store gone at its next check (about once a second) and fails with its
+own RendezvousConnectionError, which the pod reports as "the group never met" (75, counted by the
+Job), often before its workers see the lost peer in their next collective and exit 138 (not
+counted). Here that check answers "no node waiting" for STORE_LOST_GRACE_S after the store is
+first found gone, so the workers' own exit decides; a group whose workers do not end by then
+fails as before.
 """
 
 import atexit
@@ -26,10 +34,12 @@ import os
 import runpy
 import signal
 import sys
+import time
 
 EXIT_UNCAUGHT = 1  # what Python exits with on an uncaught exception, as torchrun did
 EXIT_BAD_INPUT = 64  # contract.EXIT_BAD_INPUT (this file runs before anything of the job is imported)
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+STORE_LOST_GRACE_S = 60.0  # a step and a save of a large model, well within a pod's restart
 
 
 def shutdown_timeout(environ) -> int | None:
@@ -59,6 +69,32 @@ def wait_for_workers(seconds: int) -> bool:
     return True
 
 
+def tolerate_a_lost_store(handler_class=None, grace_s: float = STORE_LOST_GRACE_S) -> bool:
+    """Make handler_class.num_nodes_waiting (torchrun's check for new nodes while its workers run)
+    answer 0 for grace_s after the rendezvous store is first found gone, then raise as before.
+    False where this torch has no such handler (its torchrun keeps its own behaviour)."""
+    try:
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    except ImportError:
+        return False
+    handler_class = handler_class or DynamicRendezvousHandler
+    original = handler_class.num_nodes_waiting
+    lost_since = []
+
+    def num_nodes_waiting(self):
+        try:
+            return original(self)
+        except RendezvousConnectionError:
+            lost_since[:] = lost_since or [time.monotonic()]
+            if time.monotonic() - lost_since[0] < grace_s:
+                return 0  # the workers meet the lost peer in their next collective and say so
+            raise
+
+    handler_class.num_nodes_waiting = num_nodes_waiting
+    return True
+
+
 def stopped_line(sigval) -> str:
     try:
         name = signal.Signals(sigval).name
@@ -76,6 +112,7 @@ if __name__ == "__main__":
     if seconds is not None and not wait_for_workers(seconds):
         print(f"torchrun: this torch's torchrun cannot be given {SHUTDOWN_TIMEOUT_ENV}; it keeps its own", file=sys.stderr, flush=True)
     atexit.register(gc.freeze)
+    tolerate_a_lost_store()
     from torch.distributed.elastic.multiprocessing.api import SignalException  # torchrun imports it anyway
 
     try:

@@ -9,7 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = ROOT / "job" / "torchrun.py"
@@ -76,3 +79,28 @@ def test_a_shutdown_timeout_that_is_not_whole_seconds_is_one_line_and_64(tmp_pat
     assert result.returncode == 64, result.stderr
     assert result.stderr == ("torchrun: TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be whole seconds (e.g. 120), not '2m': "
                              "fix the pod's env\n")
+
+
+def test_a_lost_rendezvous_store_leaves_the_workers_time_to_report_the_lost_peer_then_fails_as_before():
+    # node 0's pod died with the store: the survivors' workers exit 138 at their next collective,
+    # unless torchrun's own check for new nodes fails first (75, counted by the Job)
+    sys.path.insert(0, str(ROOT / "job"))
+    import torchrun
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    class Handler:
+        store_gone = False
+
+        def num_nodes_waiting(self):
+            if self.store_gone:
+                raise RendezvousConnectionError("The connection to the C10d store has failed.")
+            return 2
+
+    assert torchrun.tolerate_a_lost_store(Handler, grace_s=0.5)
+    handler = Handler()
+    assert handler.num_nodes_waiting() == 2, "a live store answers as it did"
+    handler.store_gone = True
+    assert handler.num_nodes_waiting() == 0 and handler.num_nodes_waiting() == 0, "within the grace"
+    time.sleep(0.6)
+    with pytest.raises(RendezvousConnectionError):
+        handler.num_nodes_waiting()
