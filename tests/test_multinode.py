@@ -100,8 +100,9 @@ def test_a_killed_pod_restarts_the_whole_group_which_ends_bitwise_equal(group_ru
     resumed = job.pod(0).wait_for_event("resumed", timeout=60)
     assert resumed["step"] > 0, "the group went on from S3, not from step 0"
     lost_0 = kill_and_time(job, index=0, at_step=70)
-    # On failure, the pods' last lines say why (node 1 exited 75 once, in a clean-clone run under extra load).
-    assert (1, 138, "ignored") in job.history, (job.history, job.output(0)[-3000:], job.output(1)[-3000:])
+    # On failure, node 1's pods that ended say why in their last lines (node 1 exited 75 twice in
+    # clean-clone runs, before job/torchrun.py gave a lost rendezvous store's survivors 60 s).
+    assert (1, 138, "ignored") in job.history, (job.history, [pod.output[-4000:] for pod in job.pods(1)[:-1]])
     assert_complete_and_equal(group_run, job, reference)
     counted = [h for h in job.history if h[2] == "counted"]
     assert len(counted) == 2, f"each SIGKILL counts once against backoffLimit, its peer's 138 not: {job.history}"
