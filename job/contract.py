@@ -205,9 +205,11 @@ TRAINER_SOURCE = "train"
 
 
 def event(kind: str, source: str, /, **fields) -> None:
-    """Print one event line (flushed: the tools wait on it)."""
+    """Print one event line (flushed: the tools wait on it). One write, newline included: print's
+    two writes on an unbuffered stdout let another process of the pod write between them."""
     record = {"event": kind, "source": source, "time": round(time.time(), 3), **fields}
-    print(EVENT_PREFIX + json.dumps(record, sort_keys=True), file=sys.stdout, flush=True)
+    sys.stdout.write(EVENT_PREFIX + json.dumps(record, sort_keys=True) + "\n")
+    sys.stdout.flush()
 
 
 def parse_event(line: str) -> dict | None:
