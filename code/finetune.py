@@ -32,20 +32,18 @@ import dataclasses  # noqa: E402
 import errno  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 import typing  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import config  # noqa: E402
+import trainer_kit  # noqa: E402
 from config import ConfigError, _require  # noqa: E402
 
 EXIT_BAD_INPUT = config.EXIT_BAD_INPUT
 SCHEDULERS = ("cosine", "linear", "constant_with_warmup")
 
 
-def log(message: str) -> None:
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    print(f"{stamp} finetune: {message}", flush=True)
+log = trainer_kit.logger("finetune")
 
 
 # -- settings -------------------------------------------------------------------------------------

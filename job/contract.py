@@ -204,12 +204,19 @@ EVENTS = ("phase", "ready", "preloaded", "lease", "restore", "uploaded", "comple
 TRAINER_SOURCE = "train"
 
 
-def event(kind: str, source: str, /, **fields) -> None:
-    """Print one event line (flushed: the tools wait on it). One write, newline included: print's
-    two writes on an unbuffered stdout let another process of the pod write between them."""
-    record = {"event": kind, "source": source, "time": round(time.time(), 3), **fields}
-    sys.stdout.write(EVENT_PREFIX + json.dumps(record, sort_keys=True) + "\n")
+def write_line(text: str) -> None:
+    """text and its newline on stdout in one write, flushed. The pod's processes share one pipe, and
+    print's two writes (text, then newline) let another process's line land between them: two lines
+    glued into one, and an event at the end of a prose line is one no tool sees. (A pipe keeps a
+    write of up to 4 KiB whole.)"""
+    sys.stdout.write(text + "\n")
     sys.stdout.flush()
+
+
+def event(kind: str, source: str, /, **fields) -> None:
+    """Print one event line (flushed: the tools wait on it)."""
+    record = {"event": kind, "source": source, "time": round(time.time(), 3), **fields}
+    write_line(EVENT_PREFIX + json.dumps(record, sort_keys=True))
 
 
 def parse_event(line: str) -> dict | None:

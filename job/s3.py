@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ from botocore.config import Config
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 import s3_errors
-from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE, printable  # noqa: F401 - the helpers' exit codes, named here too
+from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE, printable, write_line  # noqa: F401 - the helpers' exit codes, named here too
 
 # Large parts: fewer requests, and S3 servers (moto included) that re-read an object per ranged
 # GET stay fast.
@@ -56,7 +55,7 @@ def log(name: str, message: str) -> None:
     """One line on the pod's log, whatever the message quotes (a lease holder, an S3 error's text):
     a line break or terminal escape in it could otherwise start a forged EVENT or exit line."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    print(f"{stamp} {name}: {printable(message)}", flush=True)
+    write_line(f"{stamp} {name}: {printable(message)}")
 
 
 @dataclass(frozen=True)

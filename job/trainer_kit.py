@@ -34,7 +34,7 @@ def logger(name: str) -> Callable[[str], None]:
     """A function that prints one stamped line as `name`: what people read (tools read events)."""
     def log(message: str) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        print(f"{stamp} {name}: {message}", flush=True)
+        contract.write_line(f"{stamp} {name}: {message}")
     return log
 
 

@@ -3,7 +3,10 @@ import it) must equal it, and the Python helpers must use it rather than their o
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -228,3 +231,34 @@ def test_wait_with_a_pid_still_finds_the_event_the_pod_wrote_before_it_ended(tmp
     result = subprocess.run([sys.executable, str(SCRIPT.parent / "contract.py"), "wait", "--pid", str(done.pid),
                              str(log), "600", "exit"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and '"code": 64' in result.stdout
+
+
+WRITERS = """
+import sys
+import contract, s3, trainer_kit
+say = trainer_kit.logger("train")
+for i in range(int(sys.argv[2])):
+    contract.event("step", sys.argv[1], step=i)
+    say(f"prose {sys.argv[1]} {i}")
+    s3.log(sys.argv[1], f"helper {i}")
+"""
+
+
+def test_lines_from_processes_sharing_the_pods_pipe_stay_whole():
+    # The pod's processes (trainer, uploader, lease) write into one pipe; a line written in two parts
+    # lets another's land inside it, and an event glued to the end of a prose line is one no tool sees.
+    lines, processes = 1500, 3
+    read_end, write_end = os.pipe()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(SCRIPT.parent)}
+    children = [subprocess.Popen([sys.executable, "-c", WRITERS, f"w{n}", str(lines)], stdout=write_end, env=env)
+                for n in range(processes)]
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        output = pipe.read().splitlines()
+    assert [child.wait() for child in children] == [0] * processes
+    events = [contract.parse_event(line) for line in output]
+    assert sum(event is not None for event in events) == lines * processes
+    prose = [line for line, event in zip(output, events) if event is None]
+    assert len(prose) == 2 * lines * processes
+    assert all(re.fullmatch(r"\S+Z (train: prose|w\d: helper) .*\d", line) for line in prose), \
+        [line for line in prose if not re.fullmatch(r"\S+Z (train: prose|w\d: helper) .*\d", line)][:3]
