@@ -8,10 +8,8 @@
 # Extra arguments go to pytest (./scripts/test.sh -k resume -x).
 #
 # Tests run in TEST_WORKERS processes (pytest-xdist; default 2, 0 for one process), a file to a
-# worker so that a module's shared runs are made once. The end-to-end tests spend about half their
-# time waiting (on pods, S3, sleeps), so even on 2 cores two workers cut the suite by about 40%
-# (docs/lab.md: 29.5 -> 18 minutes, with one OpenMP thread per trainer: tests/conftest.py).
-# Each worker has its own local S3; pods pick their own ports and addresses.
+# worker so that a module's shared runs are made once; each worker has its own local S3, and pods
+# pick their own ports and addresses. How long each layer takes: docs/lab.md.
 set -o errexit -o nounset -o pipefail
 
 # The header comment above is the help.

@@ -9,6 +9,10 @@ import torch
 from helpers import run_until, train_command, train_env, write_config, write_corpus
 from train import arithmetic_changes, read_tensors
 
+# Saves in the training process: a background save's process would import torch once more for each
+# of these short runs, and writes the same bytes (tests/test_async_checkpoint.py).
+SYNC = ("--set", "checkpoint.async_save=false")
+
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -20,7 +24,7 @@ def test_a_resume_with_another_thread_count_says_it_is_not_exact_and_one_with_th
     out = tmp_path / "out"
     outputs = []
     for threads, max_steps in (("2", 6), ("1", 8), ("1", 10)):
-        command = train_command(config, corpus, out, extra=("--set", f"train.max_steps={max_steps}"))
+        command = train_command(config, corpus, out, extra=("--set", f"train.max_steps={max_steps}", *SYNC))
         code, output = run_until(command, env=train_env(OMP_NUM_THREADS=threads))
         assert code == 0, output
         outputs.append(output)
@@ -46,7 +50,7 @@ def test_auto_micro_batch_on_resume_keeps_what_the_checkpoint_ran_or_says_the_re
     outputs = []
     for micro_batch, max_steps in (("16", 6), ("auto", 8), ("auto", 10)):
         command = train_command(config, corpus, out, extra=("--set", f"train.max_steps={max_steps}",
-                                                              "--set", f"train.micro_batch={micro_batch}"))
+                                                              "--set", f"train.micro_batch={micro_batch}", *SYNC))
         code, output = run_until(command, env=train_env(OMP_NUM_THREADS="1"))
         assert code == 0, output
         outputs.append(output)

@@ -10,7 +10,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import checkpoint
-import config
-from helpers import (CODE, events_of, final_model, on_event, run_until, sha256, train_command, train_env,
+from helpers import (events_of, final_model, on_event, run_until, sha256, train_command, train_env,
                      write_config, write_corpus)
 
 MAX_STEPS = 40
@@ -36,10 +34,17 @@ def tiny_config(tmp_path_factory):
 
 
 def uninterrupted(tmp_path_factory, corpus, tiny_config, nproc):
+    """The run's output folder; its log and heartbeat file lie beside it (copies of it leave them out)."""
     out = tmp_path_factory.mktemp(f"reference-{nproc}")
-    code, output = run_until(train_command(tiny_config, corpus, out, nproc))
+    code, output = run_until(train_command(tiny_config, corpus, out, nproc),
+                             env=train_env(HEALTH_FILE=str(beside(out, "healthy"))))
     assert code == 0, output
+    beside(out, "output.txt").write_text(output)
     return out
+
+
+def beside(out: Path, name: str) -> Path:
+    return out.with_name(f"{out.name}-{name}")
 
 
 @pytest.fixture(scope="module")
@@ -213,20 +218,15 @@ def test_training_lowers_the_loss_and_logs_scalars_to_tensorboard(reference):
     assert losses[-1] < losses[0] - 1.0
 
 
-def test_log_line_has_step_loss_lr_speed_and_eta(tmp_path, corpus, tiny_config):
-    code, output = run_until(train_command(tiny_config, corpus, tmp_path / "out", extra=("--set", "train.max_steps=3")))
-    assert code == 0, output
-    line = next(l for l in output.splitlines() if "step 3/3 |" in l)
+def test_log_line_has_step_loss_lr_speed_and_eta(reference):
+    output = beside(reference, "output.txt").read_text()
+    line = next(l for l in output.splitlines() if f"step {MAX_STEPS}/{MAX_STEPS} |" in l)
     for part in ("loss ", "lr ", "ms/step", "tok/s", "eta "):
         assert part in line, line
 
 
-def test_heartbeat_file_is_touched_while_training(tmp_path, corpus, tiny_config):
-    health = tmp_path / "healthy"
-    code, output = run_until(train_command(tiny_config, corpus, tmp_path / "out"),
-                                env=train_env(HEALTH_FILE=str(health)))
-    assert code == 0, output
-    assert health.exists()
+def test_heartbeat_file_is_touched_while_training(reference):
+    assert beside(reference, "healthy").exists()
 
 
 BAD_RUNS = [
