@@ -18,20 +18,19 @@ import pytest  # noqa: E402
 from podlab import BUCKET, ROOT, Run, fake_aws_env, local_s3, venv_path  # noqa: F401 - import paths: pytest.ini
 
 
-# Seconds each end-to-end file took in a full run (2 workers, 2026-11-27, at load average 6 to 9
-# beside another process's benchmarks: the sum of its tests' setup, call and teardown, files over
-# 20 s). scripts/test.sh hands out a file to a worker in collection order: the longest go first, so
-# that no long file starts last and runs alone at the end. A file not listed (or new) counts as short.
+# Seconds each end-to-end file took in a full run (a clean clone, 2 workers, 2026-11-28, all passed:
+# the sum of its tests' setup, call and teardown, files over 20 s). scripts/test.sh hands out a file
+# to a worker in collection order: the longest go first, so that no long file starts last and runs
+# alone at the end. A file not listed (or new) counts as short.
 FILE_SECONDS = {
-    "test_finetune.py": 580, "test_multinode_engines.py": 479, "test_reliability.py": 440,
-    "test_multinode.py": 434, "test_bad_input.py": 330, "test_train.py": 252, "test_finetune_group.py": 208,
-    "test_real_image.py": 194, "test_benchmark_gpu.py": 180, "test_pod.py": 149, "test_fsdp_pod.py": 146,
-    "test_fsdp.py": 138, "test_finished_run.py": 136, "test_uploader_robust.py": 117, "test_watch.py": 117,
-    "test_benchmark.py": 108, "test_async_checkpoint.py": 91, "test_finetune_pod.py": 84,
-    "test_lease_store.py": 76, "test_minimal_train.py": 70, "test_kill_sweep.py": 68, "test_hostile_bucket.py": 65,
-    "test_docs_examples_s3.py": 57, "test_demo.py": 49, "test_submit.py": 40, "test_upload_growth.py": 34,
-    "test_local_pod.py": 27, "test_local_job.py": 26, "test_prepare_data.py": 25, "test_stage.py": 25,
-    "test_uploader.py": 23, "test_resume_arithmetic.py": 22, "test_job_files.py": 20,
+    "test_finetune.py": 331, "test_multinode_engines.py": 294, "test_multinode.py": 270, "test_reliability.py": 257,
+    "test_bad_input.py": 193, "test_train.py": 171, "test_finetune_group.py": 163, "test_benchmark_gpu.py": 152,
+    "test_finished_run.py": 132, "test_pod.py": 117, "test_uploader_robust.py": 110, "test_real_image.py": 103,
+    "test_fsdp_pod.py": 101, "test_watch.py": 85, "test_async_checkpoint.py": 82, "test_fsdp.py": 78,
+    "test_benchmark.py": 77, "test_kill_sweep.py": 76, "test_finetune_pod.py": 74, "test_lease_store.py": 68,
+    "test_minimal_train.py": 61, "test_docs_examples_s3.py": 59, "test_hostile_bucket.py": 58, "test_submit.py": 50,
+    "test_demo.py": 46, "test_upload_growth.py": 34, "test_resume_arithmetic.py": 30, "test_local_job.py": 28,
+    "test_stage.py": 27, "test_local_pod.py": 26, "test_uploader.py": 24, "test_prepare_data.py": 21,
 }
 
 
