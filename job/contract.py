@@ -58,13 +58,17 @@ EXIT_SIGTERM = 143
 EXIT_TRAINER_FAILED = 1
 """Any other code is the trainer's own (torchrun's workers' first error); 1 is its usual crash."""
 
+EXIT_USAGE = 2
+"""A trainer that exits 2 refused its command line (argparse's usage error, Python's "can't open
+file"): no retry can pass, so the pod exits 64 (script.sh)."""
+
 EXIT_KILLED = 137
 """SIGKILL (node lost, OOM, liveness probe): decided by nobody in the pod; the next pod resumes."""
 
 EXIT_CODES = {
     "EXIT_DONE": EXIT_DONE, "EXIT_BAD_INPUT": EXIT_BAD_INPUT, "EXIT_UNAVAILABLE": EXIT_UNAVAILABLE,
     "EXIT_COMPLETE_FOUND": EXIT_COMPLETE_FOUND, "EXIT_PEER_LOST": EXIT_PEER_LOST,
-    "EXIT_SIGINT": EXIT_SIGINT, "EXIT_SIGTERM": EXIT_SIGTERM,
+    "EXIT_SIGINT": EXIT_SIGINT, "EXIT_SIGTERM": EXIT_SIGTERM, "EXIT_USAGE": EXIT_USAGE,
 }
 
 

@@ -76,6 +76,7 @@ readonly EXIT_COMPLETE_FOUND=3
 readonly EXIT_PEER_LOST=138
 readonly EXIT_SIGINT=130
 readonly EXIT_SIGTERM=143
+readonly EXIT_USAGE=2
 # Every setting's name (contract.SETTINGS; tests/unit/test_contract.py keeps them equal), and those
 # a controller sets (contract.CONTROLLER_SETTINGS): all are checked for control characters.
 readonly SETTINGS=(S3_CODE_URI S3_DATA_URI S3_OUTPUT_URI S3_MODEL_URI WORK_DIR NPROC_PER_NODE
@@ -642,7 +643,7 @@ start_trainer() {
   local model_args=() launch
   [[ -z "${MODEL_DIR}" ]] || model_args=(--model_dir "${MODEL_DIR}")
   mapfile -t launch < <(launch_args)
-  log "torchrun ${launch[*]} --nproc_per_node=${NPROC_PER_NODE} ${TRAIN_SCRIPT} --config ${TRAIN_CONFIG}${MODEL_DIR:+ --model_dir ${MODEL_DIR}}${TRAIN_ARGV[*]:+$(printf ' %q' "${TRAIN_ARGV[@]}")}"
+  log "torchrun ${launch[*]} --nproc_per_node=${NPROC_PER_NODE} ${TRAIN_SCRIPT} --config ${TRAIN_CONFIG}${MODEL_DIR:+ --model_dir ${MODEL_DIR}} --data_dir ${DATA_DIR} --output_dir ${OUTPUT_DIR}${TRAIN_ARGV[*]:+$(printf ' %q' "${TRAIN_ARGV[@]}")}"
   # PYTHONPATH: a trainer that brings no checkpoint.py of its own uses the runtime's.
   TORCHELASTIC_ERROR_FILE=${STATE_DIR}/trainer-error.json PYTHONPATH=${PYTHONPATH:+${PYTHONPATH}:}${JOB_DIR} \
     "${PYTHON}" "${JOB_DIR}/torchrun.py" "${launch[@]}" \
@@ -698,6 +699,11 @@ run_trainer() {
     # Said once by the trainer; said again here, below torchrun's report, for `kubectl logs --tail`.
     log "the trainer stopped on bad input (exit ${EXIT_BAD_INPUT}): ${message}"
     remember_error "the trainer stopped on bad input: ${message}"
+  elif ((code == EXIT_USAGE)); then
+    # Its own line (argparse's "error: ...") said why; this one says what the pod makes of it.
+    log "the trainer refused its command line (exit ${EXIT_USAGE}, a usage error): fix TRAIN_ARGS or TRAIN_CONFIG; no retry can pass (exit ${EXIT_BAD_INPUT})"
+    remember_error "the trainer refused its command line (exit ${EXIT_USAGE}); fix TRAIN_ARGS or TRAIN_CONFIG"
+    code=${EXIT_BAD_INPUT}
   elif ((code != 0)); then
     log "error: the trainer failed with exit ${code}: ${message}" >&2
     remember_error "the trainer failed with exit ${code}: ${message}"

@@ -18,6 +18,10 @@ TORCH_ELASTIC_SHUTDOWN_TIMEOUT for that; torch 2.11 and older do not, so there a
 of the call that waits for the workers (PContext.close's timeout), which a newer torch overrides
 with the same value.
 
+torchrun exits 1 whatever its workers' codes; the pod reads the real one from the error file. A
+worker that left none (a script without torch's @record) has its exit code written there, so a
+usage error (2) or bad input (64) of the user's own script is not taken for a crash.
+
 In a group of pods the rendezvous store lives in node 0's torchrun. When node 0's pod dies, another
 node's torchrun finds the store gone at its next check (about once a second) and fails with its
 own RendezvousConnectionError, which the pod reports as "the group never met" (75, counted by the
@@ -30,6 +34,7 @@ fails as before.
 import atexit
 import gc
 import inspect
+import json
 import os
 import runpy
 import signal
@@ -95,6 +100,21 @@ def tolerate_a_lost_store(handler_class=None, grace_s: float = STORE_LOST_GRACE_
     return True
 
 
+def record_the_exit_code(failure, path: str | None) -> bool:
+    """Write torchrun's error file with the first failed worker's exit code where the worker left
+    none (a script without torch's @record: most). torchrun exits 1 whatever its workers' codes, and
+    the file is how the pod tells a usage error (2) or bad input (64) from a crash. failure is
+    torchrun's ChildFailedError; a worker ended by a signal (a negative code) is left as it was."""
+    rank, first = failure.get_first_failure()
+    if not path or os.path.exists(path) or not 0 < first.exitcode < 256:
+        return False
+    record = {"message": {"message": f"the worker of local rank {rank} exited {first.exitcode}: see its output above",
+                          "errorCode": first.exitcode, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    with open(path, "w") as file:
+        json.dump(record, file)
+    return True
+
+
 def stopped_line(sigval) -> str:
     try:
         name = signal.Signals(sigval).name
@@ -114,9 +134,13 @@ if __name__ == "__main__":
     atexit.register(gc.freeze)
     tolerate_a_lost_store()
     from torch.distributed.elastic.multiprocessing.api import SignalException  # torchrun imports it anyway
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
     except SignalException as stop:
         print(stopped_line(stop.sigval), file=sys.stderr, flush=True)
         sys.exit(EXIT_UNCAUGHT)
+    except ChildFailedError as failed:
+        record_the_exit_code(failed, os.environ.get("TORCHELASTIC_ERROR_FILE"))
+        raise

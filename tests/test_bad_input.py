@@ -31,6 +31,7 @@ class Case:
     env: dict = field(default_factory=dict)
     prepare: Callable | None = None  # (lab, tmp_path) -> extra env, may stage things in S3
     never_shown: tuple = ()  # values that must appear nowhere in the pod's output (secrets)
+    shown: tuple = ()  # more that the pod's output says
     before_data: bool = False  # refused right after the code sync: no data synced, no lease, no torchrun
 
 
@@ -186,6 +187,10 @@ CASES = [
     Case("TRAIN_ARGS with an argument the trainer lacks", 64,
          "train.py refuses its settings (TRAIN_CONFIG=config/tiny.yaml, TRAIN_ARGS): train.py: error: unrecognized "
          "arguments: --sett", {"TRAIN_ARGS": "--sett train.max_steps=5"}, before_data=True),
+    # A trainer of the user's own: its argparse says why and exits 2, which torchrun turns into 1.
+    Case("TRAIN_ARGS that a trainer's argparse refuses", 64, "minimal_train.py: error: unrecognized arguments: --sett 5",
+         {"TRAIN_SCRIPT": "minimal_train.py", "TRAIN_ARGS": "--sett 5"},
+         shown=("the trainer refused its command line (exit 2, a usage error): fix TRAIN_ARGS",)),
     Case("data vocabulary larger than the model's", 64, "model.vocab_size (256) is smaller than the data's vocabulary (50257",
          prepare=unknown_vocabulary),
     Case("NPROC_PER_NODE of 0", 64, "NPROC_PER_NODE=0 must be a positive integer", {"NPROC_PER_NODE": "0"}),
@@ -263,6 +268,8 @@ def test_bad_input_gets_one_line_the_right_exit_code_and_s3_keeps_what_it_had(la
     assert case.message in pod.output, pod.output[-3000:]
     for secret in case.never_shown:
         assert secret not in pod.output
+    for text in case.shown:
+        assert text in pod.output, pod.output[-3000:]
     errors = [line for line in pod.lines if re.search(r"\berror: ", line)]
     exits = [i for i, line in enumerate(pod.lines) if '"event": "exit"' in line]  # none: stopped before the log
     assert not exits or [line for line in pod.lines[exits[-1] + 1:] if not line.startswith("local_pod:")] == [], \

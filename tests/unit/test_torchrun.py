@@ -104,3 +104,29 @@ def test_a_lost_rendezvous_store_leaves_the_workers_time_to_report_the_lost_peer
     time.sleep(0.6)
     with pytest.raises(RendezvousConnectionError):
         handler.num_nodes_waiting()
+
+
+class Failure:
+    """What torchrun.record_the_exit_code reads of a ChildFailedError."""
+
+    def __init__(self, exitcode: int):
+        self.exitcode = exitcode
+
+    def get_first_failure(self):
+        return 0, self
+
+
+# A worker's exit 2 with no error file of its own is recorded (through torchrun and the pod:
+# tests/test_bad_input.py, "TRAIN_ARGS that a trainer's argparse refuses"); a worker's own error
+# file and a worker ended by a signal stay as they were.
+@pytest.mark.parametrize("exitcode,exists,expected", [(-9, False, None), (64, True, 1), (2, False, 2)])
+def test_torchrun_records_the_exit_code_of_a_worker_that_left_no_error_file(tmp_path, exitcode, exists, expected):
+    sys.path.insert(0, str(ROOT / "job"))
+    import torchrun
+    import trainer_error
+    path = tmp_path / "error.json"
+    if exists:  # the worker's own (train.py records its code; torchrun copies it here)
+        path.write_text(json.dumps({"message": {"message": "ConfigError: bad", "errorCode": 1}}))
+    assert torchrun.record_the_exit_code(Failure(exitcode), str(path)) == (expected == exitcode)
+    assert trainer_error.read(str(path))[0] == expected
+    assert not torchrun.record_the_exit_code(Failure(3), None), "no TORCHELASTIC_ERROR_FILE: nothing to write"
