@@ -108,6 +108,8 @@ logdir_args() {
   local uri=$1 keys=$2 name runs
   if grep -qE '^(tensorboard|checkpoints)/|^status\.json$' <<<"${keys}"; then
     run_spec "$(basename "${uri%/}")" "${uri}" "${uri}tensorboard/"
+    grep -qE '^tensorboard/[^/]*tfevents' <<<"${keys}" ||
+      say "no event files in ${uri}tensorboard/ yet: TensorBoard shows them once the trainer writes them"
   elif grep -qE '^[^/]*tfevents' <<<"${keys}"; then  # a run's tensorboard/ folder itself
     run_spec "$(basename "$(dirname "${uri%/}")")" "${uri}" "${uri}"
   else

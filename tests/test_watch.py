@@ -456,6 +456,20 @@ def test_tensorboard_on_a_prefix_shows_each_run_by_name(states, lab):
         board.stop()
 
 
+def test_tensorboard_on_a_run_without_event_files_says_so_and_serves_it(states, lab, tmp_path):
+    # "misconfigured" failed before its first step: a status.json, no tensorboard/ (yet, for a live run)
+    fake = tmp_path / "tensorboard"
+    fake.write_text("#!/bin/sh\necho \"$@\"\n")
+    fake.chmod(0o755)
+    env = {**tool_env(), "PATH": f"{tmp_path}:{tool_env()['PATH']}"}
+    said = {name: subprocess.run([str(TENSORBOARD), f"{RUNS}{name}/"], capture_output=True, text=True, env=env,
+                                 timeout=60) for name in ("misconfigured", "done")}
+    assert [result.returncode for result in said.values()] == [0, 0], said
+    assert f"--logdir_spec=misconfigured:{RUNS}misconfigured/" in said["misconfigured"].stdout
+    assert f"no event files in {RUNS}misconfigured/tensorboard/ yet" in said["misconfigured"].stderr
+    assert "no event files" not in said["done"].stderr
+
+
 @pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "S3_ENDPOINT"])
 def test_tensorboard_refuses_an_endpoint_without_its_scheme(lab, variable):
     env = {**tool_env(), variable: lab.endpoint.removeprefix("http://")}
