@@ -34,10 +34,11 @@ class CheckpointSync:
         self.retention_checked = False
         self.partial_seen: set[str] = set()  # partial local copies already warned of
 
-    def sync(self) -> None:
+    def sync(self) -> bool:
+        """True when a step's checkpoint went up now."""
         local = checkpoint.committed_steps(self.local)
         if not local:
-            return
+            return False
         keep = keep_of(local[0][1])
         uploaded = [self.upload(folder) for _, folder in local[:keep]]
         best = self.local / "best"
@@ -46,6 +47,7 @@ class CheckpointSync:
         if any(uploaded) or not self.retention_checked:
             self.apply_retention(keep)
             self.retention_checked = True
+        return any(uploaded)
 
     def in_s3(self, name: str) -> dict | None:
         """The files S3's manifest of a checkpoint lists; None when not committed there, {} when

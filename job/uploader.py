@@ -101,8 +101,12 @@ def watch(uploader: Uploader, interval: float) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     uploader.writer.hold_lease()
-    chores = [Chore("checkpoints", uploader.checkpoints.sync, 0.0),
-              Chore("status.json", lambda: uploader.status.report("running"), interval),
+    status = Chore("status.json", lambda: uploader.status.report("running"), interval)
+
+    def checkpoints() -> None:
+        if uploader.checkpoints.sync():
+            status.due = 0.0  # next in this round: a pod lost before its next report names that step
+    chores = [Chore("checkpoints", checkpoints, 0.0), status,
               Chore("logs and events", uploader.segments.sync, interval)]
     while not stopping.is_set():
         try:

@@ -157,3 +157,28 @@ def test_best_of_a_step_already_in_s3_is_copied_inside_s3_and_its_manifest_goes_
                       ("PutObject", ckpts + "best/manifest.json")]
     model = (out / "checkpoints" / "best" / "model.pt").read_bytes()
     assert s3.get_object(Bucket=BUCKET, Key=ckpts + "best/model.pt")["Body"].read() == model
+
+
+def test_status_json_names_each_uploaded_step_at_once_so_a_lost_pod_shows_how_far_it_got(s3, s3_endpoint, tmp_path):
+    # status.json is otherwise written every SYNC_INTERVAL_SECONDS: a pod lost in between would show
+    # the step of its last report, behind the checkpoint it had put in S3
+    out, uri = tmp_path / "out", f"s3://{BUCKET}/runs/reported/"
+    env = {**uploader_env(tmp_path, s3_endpoint), "SYNC_INTERVAL_SECONDS": "3600"}
+    take_lease(env, uri)
+
+    def end_step():
+        status = json.loads(s3.get_object(Bucket=BUCKET, Key="runs/reported/status.json")["Body"].read())
+        return status["attempts"][-1]["end_step"], status["committed_step"]
+
+    watcher = subprocess.Popen([sys.executable, str(JOB / "uploader.py"), "watch", uri, str(out)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_until(lambda: "runs/reported/status.json" in keys_in_s3(s3, "runs/reported/"), 30)
+        for step in (5, 10):
+            commit(out, step)
+            (out / "progress.json").write_text(json.dumps({"step": step, "max_steps": 100}))
+            assert wait_until(lambda: end_step() == (step, step), 30), end_step()
+    finally:
+        watcher.kill()
+        output = watcher.communicate(timeout=60)[0]
+    assert "Traceback" not in output, output
