@@ -268,7 +268,7 @@ main() {
   echo
   aws s3 cp --quiet "${RUN_URI}COMPLETE" - && echo
   aws s3 sync --quiet "${RUN_URI}" "${DEMO}/outputs/"
-  echo "(a copy in ${DEMO}/outputs/; TensorBoard on it: .venv/bin/tensorboard --logdir ${DEMO}/outputs/tensorboard)"
+  echo "(a copy in ${DEMO}/outputs/; TensorBoard on it: ${ROOT}/.venv/bin/tensorboard --logdir ${DEMO}/outputs/tensorboard)"
 
   say "what happened"
   what_happened

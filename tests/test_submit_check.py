@@ -38,7 +38,7 @@ def test_a_staged_run_passes_with_one_line_per_check(run):
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert [line.split()[0] for line in lines[:-1]] == ["ok"] * 5, result.stdout
-    assert f"{run.code_uri}config/tiny.yaml with TRAIN_ARGS passes train.py --check for 1 process(es)" in result.stdout
+    assert f"{run.code_uri}config/tiny.yaml passes train.py --check for 1 process(es)" in result.stdout
     assert lines[-1] == "submit.py --check: no errors, 0 warning(s): submit it (--apply)"
 
 
@@ -46,7 +46,7 @@ def test_a_typo_in_the_staged_config_is_caught_before_any_pod(run):
     run.s3.put_object(Bucket=BUCKET, Key="code/config/typo.yaml", Body=b"train:\n  max_step: 5\n")
     result = check(run, config="config/typo.yaml")
     assert result.returncode == 64, result.stdout
-    assert f"error    train.py refuses {run.code_uri}config/typo.yaml with TRAIN_ARGS: " in result.stdout
+    assert f"error    train.py refuses {run.code_uri}config/typo.yaml: " in result.stdout
     assert "unknown setting train.max_step; did you mean train.max_steps?" in result.stdout
     assert "the pods would refuse this run (exit 64)" in result.stdout
 
@@ -63,7 +63,8 @@ def test_the_config_is_checked_for_the_processes_the_pods_will_start(run):
     # tiny.yaml's grad_accum_steps (2) is split between the processes: 3 pods of 1 cannot.
     result = check(run, "--engine", "indexed", "--nodes", "3")
     assert result.returncode == 64
-    assert "must be divisible by the number of processes (3)" in result.stdout
+    assert ("must be divisible by the number of processes (3); change it (--train-args \"--set "
+            "train.grad_accum_steps=N\") or --nodes and --gpus-per-node") in result.stdout
 
 
 def test_a_finished_run_is_a_warning_that_says_what_to_do(run):
@@ -101,7 +102,8 @@ def test_train_args_and_the_pods_settings_are_checked_as_the_pod_checks_them(run
     assert code == 64, said
     assert "warning  TRAIN_ARG is not a setting of the pod, so it is ignored; did you mean TRAIN_ARGS?" in said
     assert "error    SYNC_INTERVAL_SECONDS holds a control character" in said
-    assert "train.max_steps must be an integer, got 'many'" in said
+    assert "config/tiny.yaml with TRAIN_ARGS --set train.max_steps=many: train.max_steps must be an integer, got 'many'" \
+        in said
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = preflight.check(pod_of(**uris, TRAIN_ARGS="--sett train.max_steps=5"))

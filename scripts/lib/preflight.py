@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -249,14 +250,18 @@ def check_config(staged: Path, where: str, script: str, words: list[str], world_
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT / "code",
                             env={**os.environ, "WORLD_SIZE": str(world_size)})
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    last = (lines[-1] if lines else f"exit {result.returncode}").removeprefix("error: ")
+    last = (lines[-1] if lines else f"exit {result.returncode}").removeprefix("error: ").replace(f"{staged}: ", "")
+    # The pod's words name its env; submit.py's user sets the processes with flags.
+    last = last.replace("change it or NPROC_PER_NODE", "change it (--train-args \"--set train.grad_accum_steps=N\") "
+                                                        "or --nodes and --gpus-per-node")
+    settings = f"{where} with TRAIN_ARGS {shlex.join(words)}" if words else where
     if result.returncode in (contract.EXIT_BAD_INPUT, 2):  # a setting; an argument argparse refused
-        said.error(f"{script} refuses {where} with TRAIN_ARGS: {last}")
+        said.error(f"{script} refuses {settings}: {last}")
         return None
     if result.returncode != 0:  # the check itself broke, as the pod would see it: the trainer says more
         said.warn(f"{script} --check failed (exit {result.returncode}: {last}); the trainer checks itself when it starts")
         return None
-    said.ok(f"{where} with TRAIN_ARGS passes {script} --check for {world_size} process(es)")
+    said.ok(f"{settings} passes {script} --check for {world_size} process(es)")
     if script != "train.py":
         return None
     sys.path.insert(0, str(ROOT / "code"))
