@@ -11,7 +11,7 @@ check_s3_uri() {
   local name=$1 value=${!1:-}
   [[ -n "${value}" ]] || die "${EXIT_BAD_INPUT}" "${name} is not set; set it to s3://bucket/prefix/ ($2)"
   [[ "${value}" =~ ^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$ ]] ||
-    die "${EXIT_BAD_INPUT}" "${name}=$(shown "${value}") is not an s3://bucket/prefix/ URI (a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens); fix it in job.yaml"
+    die "${EXIT_BAD_INPUT}" "${name}=$(shown "${value}") is not an s3://bucket/prefix/ URI$([[ "${value}" != s3://* ]] || echo " (a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens)"); fix it in job.yaml"
   [[ "${value}" == */ ]] || value="${value}/"
   printf -v "${name}" '%s' "${value}"
   export "${name?}"

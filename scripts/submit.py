@@ -157,14 +157,17 @@ def check_args(args: argparse.Namespace) -> None:
                        "(or pipe: submit.py ... -o json | kubectl apply -f -)")
 
 
+BUCKET_RULE = " (a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens)"
+
+
 def check_uris(args: argparse.Namespace) -> None:
     uris = {"--code": args.code, "--data": args.data, "--output": args.output}
     if args.model is not None:
         uris["--model"] = args.model
     for flag, uri in uris.items():
         if not S3_URI_RULE.fullmatch(uri):
-            raise BadInput(f"{flag} {uri!r} is not an s3://bucket/prefix/ URI (a bucket name: 3 to 63 lowercase "
-                           f"letters, digits, dots and hyphens); e.g. {flag} s3://my-bucket/gpt/")
+            rule = BUCKET_RULE if uri.startswith("s3://") else ""
+            raise BadInput(f"{flag} {uri!r} is not an s3://bucket/prefix/ URI{rule}; e.g. {flag} s3://my-bucket/gpt/")
     for flag in [flag for flag in uris if flag != "--output"]:
         if overlap(args.output, uris[flag]):
             raise BadInput(f"--output {args.output} and {flag} {uris[flag]} overlap; give --output its own prefix")

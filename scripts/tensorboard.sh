@@ -44,7 +44,7 @@ die() {
 
 check_uri() {
   [[ "$1" =~ ^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$ ]] ||
-    die "${EXIT_BAD_INPUT}" "$1 is not an s3://bucket/prefix/ URI (a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens); give a run's folder or the folder of its runs"
+    die "${EXIT_BAD_INPUT}" "$1 is not an s3://bucket/prefix/ URI$([[ "$1" != s3://* ]] || echo " (a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens)"); give a run's folder or the folder of its runs"
   [[ "$1" == */ ]] && echo "$1" || echo "$1/"
 }
 

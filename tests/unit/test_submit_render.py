@@ -46,6 +46,8 @@ BAD_FLAGS = [
     (["--engine", "mpi"], "argument --engine: invalid choice: 'mpi'"),
     (["--gpus-per-node", "0"], "--gpus-per-node 0 must be at least 1"),
     (["--code", "https://bkt/code/"], "--code 'https://bkt/code/' is not an s3://bucket/prefix/ URI; e.g. --code s3://"),
+    (["--code", "s3://ab/code/"], "--code 's3://ab/code/' is not an s3://bucket/prefix/ URI (a bucket name: 3 to 63 "
+                                  "lowercase letters, digits, dots and hyphens); e.g. --code s3://"),
     (["--output", "s3://bkt/gpt/code/run/"],
      "--output s3://bkt/gpt/code/run/ and --code s3://bkt/gpt/code/ overlap; give --output its own prefix"),
     (["--output", "s3://bkt/gpt/"], "--output s3://bkt/gpt/ and --code s3://bkt/gpt/code/ overlap"),
