@@ -14,7 +14,7 @@
 # exit 138, the whole group resumes from S3. Needs root: the local pod runner uses PID and mount
 # namespaces.
 #
-# A pod that fails ends the demo at once with the pod's last error line (exit 1). The pods' output
+# A pod that fails ends the demo at once with the pod's last error line (exit 1); a bad flag exits 64. The pods' output
 # is shown as `kubectl logs` shows it; each pod's whole log, with the EVENT lines the demo waits
 # on, is in DIR/pod-N.log.
 #
@@ -39,6 +39,7 @@ KILL_AT=100
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 die() { echo "demo.sh: error: $*" >&2; exit 1; }
+bad_input() { echo "demo.sh: error: $*" >&2; exit 64; }  # a flag, or no root: no retry passes
 
 # The header comment above is the help.
 help() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
@@ -135,23 +136,23 @@ parse_args() {
     case "$1" in
       -h | --help) help; exit 0 ;;
       --nodes)
-        [[ "${2:-}" =~ ^[1-9]$ ]] || die "--nodes takes a number of pods from 1 to 9, e.g. --nodes 2"
+        [[ "${2:-}" =~ ^[1-9]$ ]] || bad_input "--nodes takes a number of pods from 1 to 9, e.g. --nodes 2"
         NODES=$2
         shift 2
         ;;
       --keep) KEEP=1; shift ;;
       --dir)
-        [[ -n "${2:-}" ]] || die "--dir takes a folder, e.g. --dir /tmp/demo"
+        [[ -n "${2:-}" ]] || bad_input "--dir takes a folder, e.g. --dir /tmp/demo"
         DEMO=$(realpath -m "$2")
         shift 2
         ;;
-      --train-args) (($# >= 2)) || die "--train-args takes the pods' TRAIN_ARGS"; TRAIN_ARGS_FOR_PODS=$2; shift 2 ;;
+      --train-args) (($# >= 2)) || bad_input "--train-args takes the pods' TRAIN_ARGS"; TRAIN_ARGS_FOR_PODS=$2; shift 2 ;;
       --kill-at)
-        [[ "${2:-}" =~ ^[1-9][0-9]{0,6}$ ]] || die "--kill-at takes a step, e.g. --kill-at 100"
+        [[ "${2:-}" =~ ^[1-9][0-9]{0,6}$ ]] || bad_input "--kill-at takes a step, e.g. --kill-at 100"
         KILL_AT=$2
         shift 2
         ;;
-      *) die "unknown argument $1; usage: demo.sh [--nodes N] [--keep] [--dir DIR] [--train-args ARGS] [--kill-at STEP] (--help says more)" ;;
+      *) bad_input "unknown argument $1; usage: demo.sh [--nodes N] [--keep] [--dir DIR] [--train-args ARGS] [--kill-at STEP] (--help says more)" ;;
     esac
   done
 }
@@ -238,7 +239,7 @@ EOF
 
 main() {
   parse_args "$@"
-  [[ "$(id -u)" -eq 0 ]] || die "the local pod runner needs root (PID and mount namespaces); run: sudo ./scripts/demo.sh"
+  [[ "$(id -u)" -eq 0 ]] || bad_input "the local pod runner needs root (PID and mount namespaces); run: sudo ./scripts/demo.sh"
   # shellcheck source=scripts/lib/venv.sh
   source "${ROOT}/scripts/lib/venv.sh"
   ensure_venv "${ROOT}"

@@ -351,8 +351,16 @@ def write_file(path: Path, data: bytes) -> None:
 # --- command line ----------------------------------------------------------------------------
 
 
+class Parser(argparse.ArgumentParser):
+    """A bad flag is bad input: one line and 64, not argparse's usage block and 2."""
+
+    def error(self, message):
+        print(f"prepare_data: error: {message}; see prepare_data.py --help", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         description="Tokenize text into train.bin, val.bin (uint16) and meta.json for the trainer.")
     parser.add_argument("--input", required=True,
                         help="a UTF-8 text file, a directory of .txt files, or a save_to_disk dataset")

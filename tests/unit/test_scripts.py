@@ -35,3 +35,13 @@ def test_script_prints_its_usage_on_help(script, flag, tmp_path):
     assert "usage" in result.stdout.lower(), result.stdout
     assert result.stderr == ""
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s.name != "test.sh"], ids=lambda p: p.name)
+def test_an_unknown_flag_is_bad_input_one_line_and_64(script, tmp_path):
+    # test.sh hands its arguments to pytest, whose usage errors are its own
+    result = subprocess.run([str(script), "--bogus-flag"], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                            env={**os.environ, "AWS_ENDPOINT_URL": "http://127.0.0.1:9"})
+    assert result.returncode == 64, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "error: " in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
