@@ -426,6 +426,9 @@ def format_detail(row: dict) -> str:
         header = ("ATTEMPT", "POD", "STARTED (UTC)", "DURATION", "EXIT", "STEPS")
         rows = [attempt_row(a, row["state"], last=i == len(attempts) - 1) for i, a in enumerate(attempts)]
         lines += ["", format_table(header, rows)]
+        if all(a.get("end_step") is None for a in attempts):
+            lines += ["", "STEPS are ? until the trainer writes progress.json (a trainer of your own may not: "
+                          "docs/own-trainer.md#progressjson-and-complete)"]
         errors = [f"attempt {_or_q(a['attempt'])}: {printable(a['error'], None)}" for a in attempts if a["error"]]
         lines += ["", *errors] if errors else []
     return "\n".join(lines)

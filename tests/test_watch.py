@@ -369,6 +369,8 @@ def test_status_of_one_run_shows_each_attempt(states, done):
     misconfigured = run_status(f"{RUNS}misconfigured")
     (only,) = attempt_rows(misconfigured.stdout)
     assert re.match(r"1 +gpt-train-\w+ .* 64 +\?→\?$", only), "exit 64 before any step"
+    assert "STEPS are ? until the trainer writes progress.json" in misconfigured.stdout
+    assert "STEPS are ?" not in result.stdout
     assert misconfigured.stdout.splitlines()[-1].startswith("attempt 1: the trainer stopped on bad input: ")
     assert "fewer than model.block_size+2" in json.loads(run_status(f"{RUNS}misconfigured", "--json").stdout)[
         "attempt_history"][0]["error"]
