@@ -254,7 +254,7 @@ def check_config(staged: Path, where: str, script: str, words: list[str], world_
     # The pod's words name its env; submit.py's user sets the processes with flags.
     last = last.replace("change it or NPROC_PER_NODE", "change it (--train-args \"--set train.grad_accum_steps=N\") "
                                                         "or --nodes and --gpus-per-node")
-    settings = f"{where} with TRAIN_ARGS {shlex.join(words)}" if words else where
+    settings = f"{where} with TRAIN_ARGS {contract.printable(shlex.join(words))}" if words else where  # one line
     if result.returncode in (contract.EXIT_BAD_INPUT, 2):  # a setting; an argument argparse refused
         said.error(f"{script} refuses {settings}: {last}")
         return None
