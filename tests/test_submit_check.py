@@ -51,6 +51,15 @@ def test_a_typo_in_the_staged_config_is_caught_before_any_pod(run):
     assert "the pods would refuse this run (exit 64)" in result.stdout
 
 
+def test_a_staged_config_cannot_write_to_the_terminal(run):
+    # a key that is a terminal's escape (YAML's \\e: retitle the window): the trainer's line quotes it
+    run.s3.put_object(Bucket=BUCKET, Key="code/config/escape.yaml", Body=b'train:\n  "\\e]0;pwned\\a": 5\n')
+    result = check(run, config="config/escape.yaml")
+    assert result.returncode == 64, result.stdout
+    assert "unknown setting train." in result.stdout and "pwned" in result.stdout
+    assert "\x1b" not in result.stdout and "\x07" not in result.stdout
+
+
 def test_data_that_is_missing_or_not_whole_tokens_is_named(run):
     run.s3.put_object(Bucket=BUCKET, Key="odd-data/train.bin", Body=b"\x01\x00\x02")  # 3 bytes: half a token
     result = check(run, data=f"s3://{BUCKET}/odd-data/")

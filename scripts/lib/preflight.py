@@ -251,6 +251,7 @@ def check_config(staged: Path, where: str, script: str, words: list[str], world_
                             env={**os.environ, "WORLD_SIZE": str(world_size)})
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     last = (lines[-1] if lines else f"exit {result.returncode}").removeprefix("error: ").replace(f"{staged}: ", "")
+    last = contract.printable(last)  # it may quote the staged config, which anyone who may write the bucket wrote
     # The pod's words name its env; submit.py's user sets the processes with flags.
     last = last.replace("change it or NPROC_PER_NODE", "change it (--train-args \"--set train.grad_accum_steps=N\") "
                                                         "or --nodes and --gpus-per-node")
