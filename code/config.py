@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 # The pod's exit codes are the runtime's contract (code/contract.py links to job/contract.py).
-from contract import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_UNAVAILABLE  # noqa: F401 - train.py, finetune.py use them
+from contract import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_UNAVAILABLE, printable  # noqa: F401 - train.py, finetune.py use them
 # A group's failures and torchrun's error file are every trainer's: trainer_kit owns them.
 from trainer_kit import group_failure_code, peer_lost, record_exit, report_failure  # noqa: F401
 
@@ -369,7 +369,7 @@ def _reject_unknown(values: dict, known: list[str], prefix: str) -> None:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
             hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {', '.join(prefix + k for k in known)}"
-            raise ConfigError(f"unknown setting {prefix}{key}; {hint}")
+            raise ConfigError(f"unknown setting {prefix}{printable(str(key))}; {hint}")  # a key may hold anything
 
 
 def _coerce(kind: type, value, key: str):

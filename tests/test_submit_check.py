@@ -52,7 +52,7 @@ def test_a_typo_in_the_staged_config_is_caught_before_any_pod(run):
 
 
 def test_a_staged_config_cannot_write_to_the_terminal(run):
-    # a key that is a terminal's escape (YAML's \\e: retitle the window): the trainer's line quotes it
+    # a key that is a terminal's escape (YAML's \e: retitle the window): the trainer's line quotes it
     run.s3.put_object(Bucket=BUCKET, Key="code/config/escape.yaml", Body=b'train:\n  "\\e]0;pwned\\a": 5\n')
     result = check(run, config="config/escape.yaml")
     assert result.returncode == 64, result.stdout

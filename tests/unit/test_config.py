@@ -13,6 +13,8 @@ from train import lr_at
 CONFIG_ERRORS = [
     ("unknown key", "model:\n  n_layers: 2\n", "unknown setting model.n_layers; did you mean model.n_layer?"),
     ("unknown group", "modle:\n  n_layer: 2\n", "unknown setting modle; did you mean model?"),
+    # a key of a config from the bucket, quoted on the pod's log and a laptop's terminal: never an escape
+    ("a key that is a terminal escape", 'train:\n  "\\e]0;x\\a": 1\n', "unknown setting train.\\x1b]0;x\\x07; known:"),
     ("wrong type int", "model:\n  n_layer: two\n", "model.n_layer must be an integer"),
     ("float for int", "train:\n  max_steps: 10.5\n", "train.max_steps must be an integer"),
     ("wrong type float", "train:\n  learning_rate: fast\n", "train.learning_rate must be a number"),
