@@ -61,6 +61,9 @@ def main() -> int:
         parser.add_argument(name, required=True)
     args = parser.parse_args()
     s, out, health = load_settings(args.config), Path(args.output_dir), os.environ.get("HEALTH_FILE")
+    if not (Path(args.data_dir) / "train.bin").is_file():  # on the pod the data sync says so first
+        print(f"error: no train.bin in {args.data_dir}; make one with scripts/prepare_data.py", file=sys.stderr)
+        return 64
     tokens = np.memmap(Path(args.data_dir) / "train.bin", dtype=np.uint16, mode="r")
     vocab = int(tokens.max()) + 1
     torch.manual_seed(s["seed"])

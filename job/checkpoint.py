@@ -128,11 +128,13 @@ class Staged:
         self._entries[name] = {"size": writer.size, "sha256": writer.sha256.hexdigest()}
 
     @contextlib.contextmanager
-    def receive(self, name: str, entry: dict) -> Iterator[_HashingWriter]:
+    def receive(self, name: str, entry: dict, durable: bool = True) -> Iterator[_HashingWriter]:
         """A file the caller writes front to back (a download), hashed as the bytes come rather
-        than read back after, fsynced when closed; it counts only if it matches `entry` (else
-        ValueError says how). A local error writing it is a ValueError too (the checkpoint cannot
-        be received here), but for a full or read-only disk, which stays the OSError it is."""
+        than read back after, fsynced when closed unless not `durable`; it counts only if it
+        matches `entry` (else ValueError says how). A local error writing it is a ValueError too
+        (the checkpoint cannot be received here), but for a full or read-only disk, which stays
+        the OSError it is. Not durable: a copy of what S3 holds, which every start hashes again
+        before it is used (restore.py), so a power cut that tears it costs a fetch, not a step."""
         _check_file_name(name)
         try:
             file = open(self.path / name, "wb")
@@ -148,7 +150,8 @@ class Staged:
                 raise
             try:
                 file.flush()
-                os.fsync(file.fileno())
+                if durable:
+                    os.fsync(file.fileno())
             except OSError as err:
                 raise _not_written(name, err) from None
         digest = writer.sha256.hexdigest()

@@ -31,10 +31,12 @@ TRANSFER = TransferConfig(multipart_threshold=256 << 20, multipart_chunksize=256
                           max_concurrency=8, use_threads=True, preferred_transfer_client="classic")
 # A download into a stream (hashed as it comes): smaller parts, so the first is whole, and hashed,
 # while the rest still download. s3transfer holds at most max_in_memory_download_chunks parts
-# ahead of the stream, and max_io_queue pieces of io_chunksize (256 KB) that wait for it: about
-# 150 MB a file, 600 MB for the 4 files a restore fetches at once at most (remote_checkpoints).
+# ahead of the stream, and max_io_queue pieces of io_chunksize that wait for it: about 150 MB a
+# file, 600 MB for the 4 files a restore fetches at once at most (remote_checkpoints). Pieces of
+# 8 MB, not s3transfer's 256 KB: each piece is a task with its own locks and context copies, and
+# 32 times fewer took a 1.5 GB restore from 6.4 to 5.2 s on 2 cores (docs/performance.md).
 IN_ORDER = TransferConfig(multipart_threshold=16 << 20, multipart_chunksize=16 << 20, max_concurrency=8,
-                          max_io_queue=64, use_threads=True, preferred_transfer_client="classic")
+                          io_chunksize=8 << 20, max_io_queue=2, use_threads=True, preferred_transfer_client="classic")
 IN_ORDER.max_in_memory_download_chunks = 8
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -189,14 +190,14 @@ def test_a_disk_error_while_receiving_makes_the_checkpoint_damaged_not_a_crash(s
     monkeypatch.setenv("S3_RETRY_SECONDS", "3")  # taken for an outage, it would be retried this long, then 75
     old_checkpoint_in_s3(s3, tmp_path)
     upload(s3, make_checkpoint(tmp_path / "made" / NEW, {"model.pt": b"new weights"}, 10), NEW)
-    real_fsync = os.fsync
 
-    def failing_disk(fd):  # the OS's error, for NEW's files only: no failing disk here
-        if f".staging-{NEW}-" in os.readlink(f"/proc/self/fd/{fd}"):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        real_fsync(fd)
+    class FailingDisk(io.FileIO):  # the OS's error, for NEW's files only: no failing disk here
+        def write(self, data):
+            if f".staging-{NEW}-" in self.name:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return super().write(data)
 
-    monkeypatch.setattr(os, "fsync", failing_disk)
+    monkeypatch.setattr(checkpoint, "open", lambda path, mode: FailingDisk(str(path), mode), raising=False)
     assert restore(s3, tmp_path / "out") == OLD
     said = capsys.readouterr().out
     assert f"warning: {NEW} in S3 is damaged (model.pt could not be written here (Input/output error))" in said, said

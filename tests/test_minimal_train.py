@@ -126,6 +126,12 @@ def test_bad_input_exits_64_with_one_line(tmp_path, corpus, problem, env, line):
     assert code == 64 and len(output.splitlines()) == 1 and line in output, output
 
 
+def test_no_data_exits_64_with_one_line(tmp_path):
+    code, output = finish(start(settings_file(tmp_path), tmp_path / "no-data", tmp_path / "out"))
+    assert code == 64 and output.strip() == f"error: no train.bin in {tmp_path / 'no-data'}; make one with " \
+        "scripts/prepare_data.py", output
+
+
 # -- through the real job.yaml, as a user's own code folder --------------------------------------
 
 POD_SETTINGS = {"max_steps": 400, "save_every": 20, "keep": 2, "batch_size": 256, "seed": 5}
