@@ -4,6 +4,7 @@ shown (the reference trained with another thread count) is reported, kept and ex
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -39,6 +40,10 @@ def test_a_difference_is_reported_kept_and_exits_1(tmp_path):
     summary = report["summary"]
     assert summary["differing_without_resume"] + summary["differing"] >= 1
     (kept,) = (tmp_path / "kept").iterdir()
-    assert "model.pt" in (kept / "differences.txt").read_text()
+    # Which tensors differ depends on the CPU: on some, the weights round back to equal and only the
+    # optimizer's moments differ (seen on 2026-11-28). A value that differs must be named, not just the
+    # thread counts the checkpoints record.
+    differences = (kept / "differences.txt").read_text()
+    assert re.search(r"^step-\d+/(model|state)\.pt/\S+: \d+ of \d+ values differ", differences, re.M), differences
     assert list(kept.glob("run-*/segment-01.log")) and (kept / "reference" / "train.log").exists()
     assert list(kept.glob("run-*/out/checkpoints/step-*/model.pt")), "the failing run's checkpoints are kept"
