@@ -182,7 +182,7 @@ def _receive_file(s3, where: Location, name: str, staged: checkpoint.Staged, ent
     """One attempt: the whole file again, in order, hashed as it comes (s3transfer puts the parts
     it fetched side by side back in order for a stream). Not fsynced: S3 holds the checkpoint, and
     every start hashes the local copy before it counts (restore.py); the disk's writes then go on
-    while the trainer starts (1.5 GB: 2.2 s less here, docs/performance.md)."""
+    while the trainer starts (1.5 GB: about 2 s less here, docs/performance.md)."""
     try:
         with staged.receive(name, entry, durable=False) as stream:
             s3.download_fileobj(where.bucket, where.key(name), stream, Config=s3lib.IN_ORDER)
