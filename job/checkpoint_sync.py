@@ -33,6 +33,7 @@ class CheckpointSync:
         self.remote: dict[str, dict | None] = {}  # checkpoint name -> its manifest's files in S3
         self.retention_checked = False
         self.partial_seen: set[str] = set()  # partial local copies already warned of
+        self.damaged: dict[str, bytes] = {}  # name -> the manifest its files did not match, said once
 
     def sync(self) -> bool:
         """True when a step's checkpoint went up now."""
@@ -66,7 +67,8 @@ class CheckpointSync:
         if manifest_bytes is None:
             return False  # pruned by the trainer meanwhile: a newer one exists
         manifest = json.loads(manifest_bytes)
-        if self.in_s3(folder.name) == manifest["files"] or self._partial(folder.name, manifest):
+        if (self.in_s3(folder.name) == manifest["files"] or self._partial(folder.name, manifest)
+                or self.damaged.get(folder.name) == manifest_bytes):
             return False
         handles = _open_all(folder, manifest["files"])
         if handles is None:
@@ -76,6 +78,9 @@ class CheckpointSync:
                 return False
             started = time.monotonic()
             self._put(folder.name, manifest, manifest_bytes, handles)
+        except remote_checkpoints.NotAsCommitted as damage:
+            self._said_damaged(folder.name, manifest_bytes, damage)
+            return False
         finally:
             for handle in handles.values():
                 handle.close()
@@ -94,12 +99,19 @@ class CheckpointSync:
 
     def _put(self, name: str, manifest: dict, manifest_bytes: bytes, handles: dict) -> None:
         writer = self.writer
-        if self.in_s3(name) is not None:
-            remote_checkpoints.uncommit(writer.s3, self.ckpts, name, writer.write)
-            self.remote[name] = None
-        remote_checkpoints.put_checkpoint(writer.s3, self.ckpts, name, handles, manifest_bytes, writer.write,
-                                          writer.still_ours, self._same_bytes_in_s3(name, manifest))
+        redone = self.in_s3(name) is not None
+        try:
+            remote_checkpoints.put_checkpoint(writer.s3, self.ckpts, name, handles, manifest_bytes, manifest["files"],
+                                              writer.write, writer.still_ours, self._same_bytes_in_s3(name, manifest),
+                                              replaces=redone)
+        finally:
+            self.remote.pop(name, None)  # read again if asked: S3's manifest may be gone, or this one
         self.remote[name] = manifest["files"]
+
+    def _said_damaged(self, name: str, manifest_bytes: bytes, damage: Exception) -> None:
+        self.damaged[name] = manifest_bytes
+        log("uploader", f"warning: {name} here does not match its manifest ({damage}); it is not committed "
+                        "in S3, which keeps what it had")
 
     def _said_uploaded(self, name: str, manifest: dict, took: float) -> None:
         size = sum(e["size"] for e in manifest["files"].values())

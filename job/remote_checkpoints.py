@@ -10,7 +10,7 @@ and judged in one place (manifest_of) by every reader.
     manifest_of(s3, ckpts, name, retry)      (manifest, problem), judged
     fetch(s3, ckpts, name, manifest, local_root, retry, ranks)   download, verify, commit locally
     ranks_files(manifest, ranks)             a sharded step's files some ranks read (pure)
-    put_checkpoint(s3, ckpts, name, handles, manifest_bytes, write, still_ours, copies)
+    put_checkpoint(s3, ckpts, name, handles, manifest_bytes, files, write, still_ours, copies, replaces)
     uncommit(s3, ckpts, name, write)         its manifest goes: no longer committed
     to_prune(listed, keep, ours)             which steps retention removes (pure)
     prune(s3, ckpts, name, keys, write)      remove one step: uncommit first, then the rest
@@ -21,6 +21,7 @@ lease: every write goes through its `write`, which proves the lease on each try)
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import threading
 import time
@@ -34,6 +35,7 @@ import s3 as s3lib
 from s3 import Location, log
 
 DELETE_BATCH = 1000  # the most keys one DeleteObjects takes
+READ_CHUNK = 8 << 20  # what a check reads at a time of a file no upload read
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -195,18 +197,86 @@ def _receive_file(s3, where: Location, name: str, staged: checkpoint.Staged, ent
 
 # -- writing: every call goes through the caller's `write(call, *args, **kwargs)` ------------------
 
-def put_checkpoint(s3, ckpts: Location, name: str, handles: dict, manifest_bytes: bytes, write, still_ours,
-                   copies: dict[str, str] | None = None) -> None:
+class NotAsCommitted(ValueError):
+    """A local file's bytes are not those its manifest names (a disk that lost or changed them
+    after the commit): the checkpoint is not committed in S3."""
+
+
+def put_checkpoint(s3, ckpts: Location, name: str, handles: dict, manifest_bytes: bytes, files: dict, write,
+                   still_ours, copies: dict[str, str] | None = None, replaces: bool = False) -> None:
     """Commit a checkpoint in S3: its files first (handles: file name -> open file), manifest.json
-    last, so S3 never shows half of one as committed. copies: file name -> the key of the same
-    bytes already in S3, copied inside S3 instead of uploaded. still_ours(bytes) is called as the
-    bytes go (every 256 KB or so): a part that outlasts the lease stops, and s3transfer aborts the
-    multipart upload. A step already committed there with other bytes is uncommitted first (by the
-    caller, who knows what S3 holds)."""
+    last, so S3 never shows half of one as committed. files: the manifest's entries. Each file is
+    hashed as s3transfer reads it to send it, and the manifest goes only once every file sent
+    matched its entry (else NotAsCommitted, and S3 holds files that no manifest counts).
+    replaces: S3 has this step committed with other bytes (a redone step); its manifest goes
+    first, and only once every file here has been hashed and matched (S3's copy is never traded
+    for a damaged one). copies: file name -> the key of the same bytes already in S3 (checked as
+    they went up), copied inside S3 instead of uploaded. still_ours(bytes) is called as the bytes
+    go (every 256 KB or so): a part that outlasts the lease stops, and s3transfer aborts the
+    multipart upload."""
+    copies = copies or {}
+    sent = {file_name: _CheckedReader(handle, file_name, files.get(file_name, {}))
+            for file_name, handle in handles.items() if file_name not in copies}
+    if replaces:
+        _raise_any_problem(sent.values())
+        uncommit(s3, ckpts, name, write)
     for file_name, handle in handles.items():
-        _put_file(s3, ckpts, ckpts.key(name, file_name), handle, write, still_ours, (copies or {}).get(file_name))
+        _put_file(s3, ckpts, ckpts.key(name, file_name), sent.get(file_name, handle), write, still_ours,
+                  copies.get(file_name))
+    _raise_any_problem(sent.values())
     write(s3.put_object, Bucket=ckpts.bucket, Key=ckpts.key(name, checkpoint.MANIFEST), Body=manifest_bytes,
           ContentType="application/json")
+
+
+def _raise_any_problem(readers) -> None:
+    for reader in readers:
+        problem = reader.problem()
+        if problem:
+            raise NotAsCommitted(problem)
+
+
+class _CheckedReader:
+    """A committed file as s3transfer reads it to upload it, hashed on the way: s3transfer reads a
+    part at a time from the front, and botocore may read a body again (a checksum, a retry), so
+    only bytes past those hashed already are added. problem() hashes whatever was not read (none,
+    after an upload) and compares with the manifest's entry; no second read of the file."""
+
+    def __init__(self, handle, name: str, entry: dict):
+        self._handle, self._name, self._entry = handle, name, entry
+        self._sha256, self._hashed = hashlib.sha256(), 0
+
+    def read(self, size: int = -1) -> bytes:
+        start = self._handle.tell()
+        data = self._handle.read(size)
+        if start <= self._hashed < start + len(data):
+            self._sha256.update(memoryview(data)[self._hashed - start:])
+            self._hashed = start + len(data)
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._handle.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._handle.tell()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Kept open: s3transfer closes the body of a single PutObject, and the file is still to be
+        checked (problem()), or sent again by a retry; its opener closes it."""
+
+    def problem(self) -> str | None:
+        where = self._handle.tell()
+        self._handle.seek(self._hashed)
+        while self.read(READ_CHUNK):
+            pass
+        self._handle.seek(where)
+        digest = self._sha256.hexdigest()
+        return checkpoint.entry_problem(self._name, self._hashed, self._entry, lambda: digest)
 
 
 def _put_file(s3, ckpts: Location, key: str, handle, write, still_ours, source: str | None) -> None:

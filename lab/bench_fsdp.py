@@ -219,8 +219,10 @@ def to_s3_and_back(shards, final: Path, model, optimizer, endpoint: str, rank: i
         files = checkpoint_files(final)
         handles = {name: open(final / name, "rb") for name in files}
         try:
-            remote_checkpoints.put_checkpoint(s3, ckpts, final.name, handles, (final / "manifest.json").read_bytes(),
-                                              lambda call, *a, **k: call(*a, **k), lambda _: None)
+            manifest_bytes = (final / "manifest.json").read_bytes()
+            remote_checkpoints.put_checkpoint(s3, ckpts, final.name, handles, manifest_bytes,
+                                              json.loads(manifest_bytes)["files"], lambda call, *a, **k: call(*a, **k),
+                                              lambda _: None)
         finally:
             for handle in handles.values():
                 handle.close()

@@ -182,3 +182,56 @@ def test_status_json_names_each_uploaded_step_at_once_so_a_lost_pod_shows_how_fa
         watcher.kill()
         output = watcher.communicate(timeout=60)[0]
     assert "Traceback" not in output, output
+
+
+def test_a_step_damaged_here_after_its_commit_is_never_committed_in_s3_nor_traded_for_s3s_copy(
+        s3, s3_endpoint, tmp_path, monkeypatch, capfd):
+    # Real s3transfer over HTTP, in parts as for a large checkpoint (5 MB parts here, 256 MB in the
+    # pod): what it reads to send is what gets hashed, the last part included.
+    from boto3.s3.transfer import TransferConfig
+    from uploader import Uploader
+
+    monkeypatch.setattr(s3lib, "TRANSFER", TransferConfig(multipart_threshold=5 << 20, multipart_chunksize=5 << 20))
+    out, uri, ckpts = tmp_path / "out", f"s3://{BUCKET}/runs/damaged/", "runs/damaged/checkpoints/"
+    for step in (5, 10):
+        with checkpoint.stage(out / "checkpoints" / checkpoint.step_dir_name(step)) as staged:
+            with staged.open("model.pt") as file:
+                file.write(os.urandom(11 << 20))
+            with staged.open("state.pt") as file:  # one PutObject: s3transfer closes its body after
+                file.write(os.urandom(2048))
+            staged.commit(meta={"step": step, "keep": 2})
+    flip_a_byte(out / "checkpoints" / "step-00000010" / "model.pt", (10 << 20) + 512)  # in the third part
+    env = uploader_env(tmp_path, s3_endpoint)
+    take_lease(env, uri)
+    monkeypatch.setenv("STATE_DIR", env["STATE_DIR"])
+    uploader = Uploader(s3lib.Location.parse(uri), out, retry_seconds=10)
+    uploader.writer.hold_lease()
+    try:
+        uploader.checkpoints.sync()
+        uploader.checkpoints.sync()  # said once, not sent again
+        assert committed_in_s3(s3, "runs/damaged/") == {5}
+        sent = s3.get_object(Bucket=BUCKET, Key=ckpts + "step-00000005/model.pt")["Body"].read()
+        assert sent == (out / "checkpoints" / "step-00000005" / "model.pt").read_bytes()
+
+        # Step 5 redone here (a restart that trained it again) and damaged: S3's step 5 stays.
+        with checkpoint.stage(out / "checkpoints" / "step-00000005") as staged:
+            with staged.open("model.pt") as file:
+                file.write(os.urandom(11 << 20))
+            staged.commit(meta={"step": 5, "keep": 2}, replace=True)
+        flip_a_byte(out / "checkpoints" / "step-00000005" / "model.pt", 7)
+        uploader.checkpoints.sync()
+    finally:
+        uploader.writer.keeper.stop()
+    assert committed_in_s3(s3, "runs/damaged/") == {5}
+    assert s3.get_object(Bucket=BUCKET, Key=ckpts + "step-00000005/model.pt")["Body"].read() == sent
+    said = capfd.readouterr().out
+    assert said.count("step-00000010 here does not match its manifest (model.pt does not match its sha256") == 1, said
+    assert "step-00000005 here does not match its manifest" in said, said
+
+
+def flip_a_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0xFF]))

@@ -5,6 +5,7 @@ and records requests; the code under test is remote_checkpoints itself."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 
@@ -58,14 +59,27 @@ class Network:
     """Stands for S3 on the wire: GET answers from `bodies` (absent: NoSuchKey), writes are recorded."""
 
     def __init__(self, bodies: dict[str, bytes] | None = None):
-        self.bodies, self.requests = bodies or {}, []
+        self.bodies, self.requests, self.sent = bodies or {}, [], {}
+        self.part, self.reread = 2, False
 
     def get_object(self, Bucket, Key):
         if Key not in self.bodies:
             raise botocore.exceptions.ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")
         return {"Body": io.BytesIO(self.bodies[Key]), "ETag": '"e"'}
 
-    def __getattr__(self, operation):  # put_object, upload_fileobj, copy, delete_object(s)
+    def upload_fileobj(self, fileobj, bucket, key, **_):
+        """Reads as s3transfer does (a part at a time from the front); botocore may read a part
+        again from its start (a checksum, a retry): `reread` does that to the first part."""
+        first = fileobj.read(self.part)
+        if self.reread:
+            fileobj.seek(0)
+            assert fileobj.read(self.part) == first
+        body = first + b"".join(iter(lambda: fileobj.read(self.part), b""))
+        fileobj.close()  # s3transfer closes the body of a single PutObject
+        self.requests.append(("upload_fileobj", key))
+        self.sent[key] = body
+
+    def __getattr__(self, operation):  # put_object, copy, delete_object(s)
         def record(*args, **kwargs):
             key = kwargs.get("Key") or (args[2] if operation in ("upload_fileobj", "copy") else None)
             self.requests.append((operation, key or [o["Key"] for o in kwargs["Delete"]["Objects"]]))
@@ -117,14 +131,55 @@ def test_committed_lists_step_folders_newest_first():
     assert remote_checkpoints.newest_first(names) == ["step-00000010", "step-00000002"]
 
 
+def entries(**bodies: bytes) -> dict:
+    return {name.replace("_", "."): {"size": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+            for name, body in bodies.items()}
+
+
 def test_files_go_up_first_and_the_manifest_last():
     network = Network()
     handles = {"a.pt": io.BytesIO(b"a"), "b.pt": io.BytesIO(b"b")}
-    remote_checkpoints.put_checkpoint(network, CKPTS, "best", handles, b"{}", no_retry, lambda _: None,
-                                      copies={"b.pt": CKPTS.key(step(5), "b.pt")})
+    remote_checkpoints.put_checkpoint(network, CKPTS, "best", handles, b"{}", entries(a_pt=b"a", b_pt=b"b"),
+                                      no_retry, lambda _: None, copies={"b.pt": CKPTS.key(step(5), "b.pt")})
     assert network.requests == [("upload_fileobj", CKPTS.key("best", "a.pt")),
                                 ("copy", CKPTS.key("best", "b.pt")),
                                 ("put_object", CKPTS.key("best", "manifest.json"))]
+
+
+@pytest.mark.parametrize("reread", [False, True])
+def test_a_file_that_differs_from_its_manifest_goes_up_but_the_manifest_does_not(reread):
+    network = Network()
+    network.reread = reread  # bytes read twice are hashed once: a whole file still matches
+    files = entries(a_pt=b"weights", b_pt=b"moments")
+    good = {"a.pt": io.BytesIO(b"weights"), "b.pt": io.BytesIO(b"moments")}
+    remote_checkpoints.put_checkpoint(network, CKPTS, step(5), good, b"{}", files, no_retry, lambda _: None)
+    assert network.sent[CKPTS.key(step(5), "b.pt")] == b"moments"
+    assert network.requests[-1] == ("put_object", MANIFEST_KEY)
+
+    for damaged in (b"moMents", b"moment", b"moments!"):  # a flipped byte, one lost, one more
+        network = Network()
+        network.reread = reread
+        handles = {"a.pt": io.BytesIO(b"weights"), "b.pt": io.BytesIO(damaged)}
+        with pytest.raises(remote_checkpoints.NotAsCommitted, match="b.pt"):
+            remote_checkpoints.put_checkpoint(network, CKPTS, step(5), handles, b"{}", files, no_retry,
+                                              lambda _: None)
+        assert [op for op, _ in network.requests] == ["upload_fileobj", "upload_fileobj"], "no manifest"
+
+
+def test_a_redone_step_replaces_s3s_copy_only_when_every_file_here_matches():
+    files = entries(a_pt=b"weights", b_pt=b"moments")
+    network = Network()
+    handles = {"a.pt": io.BytesIO(b"weights"), "b.pt": io.BytesIO(b"moMents")}
+    with pytest.raises(remote_checkpoints.NotAsCommitted, match="b.pt does not match its sha256"):
+        remote_checkpoints.put_checkpoint(network, CKPTS, step(5), handles, b"{}", files, no_retry, lambda _: None,
+                                          replaces=True)
+    assert network.requests == [], "S3's committed copy is left as it was"
+
+    handles = {"a.pt": io.BytesIO(b"weights"), "b.pt": io.BytesIO(b"moments")}
+    remote_checkpoints.put_checkpoint(network, CKPTS, step(5), handles, b"{}", files, no_retry, lambda _: None,
+                                      replaces=True)
+    assert [op for op, _ in network.requests] == ["delete_object", "upload_fileobj", "upload_fileobj", "put_object"]
+    assert network.sent[CKPTS.key(step(5), "a.pt")] == b"weights", "hashed first, then sent whole"
 
 
 def test_a_pruned_step_is_uncommitted_before_its_files_go():
