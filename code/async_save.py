@@ -60,15 +60,16 @@ class NoSpace(OSError):
 
 
 def write_step(root: Path, name: str, model_state, state: dict, meta: dict, best: bool, keep: int,
-               beat: Callable[[], None] = lambda: None) -> Path:
-    """Commit checkpoint `name` under `root`, link best/ to it if `best`, prune to `keep`."""
+               beat: Callable[[], None] = lambda: None, durable: bool = True) -> Path:
+    """Commit checkpoint `name` under `root`, link best/ to it if `best`, prune to `keep`.
+    Not `durable`: its files are not fsynced (checkpoint.Staged.open)."""
     final = root / name
     with checkpoint.stage(final) as staged, without_crc32():
-        with staged.open("model.pt") as file:
+        with staged.open("model.pt", durable) as file:
             torch.save(model_state, file)
         beat()
         _test_delay()
-        with staged.open("state.pt") as file:
+        with staged.open("state.pt", durable) as file:
             torch.save(state, file)
         staged.commit(meta=meta)
     beat()
@@ -253,6 +254,7 @@ class _Request:
     best: bool
     keep: int
     layout: list
+    durable: bool = True
 
     def run(self, buffer) -> tuple:
         """In the save process: commit the state the buffer holds; the outcome for the trainer."""
@@ -260,7 +262,7 @@ class _Request:
         made: dict = {}
         return saved_in_process(lambda: write_step(Path(self.root), self.name, rebuild(self.model, views, made),
                                                    rebuild(self.state, views, made), self.meta, self.best,
-                                                   self.keep))
+                                                   self.keep, durable=self.durable))
 
 
 @dataclass
@@ -299,9 +301,10 @@ class AsyncSaver:
         self._reserved: tuple[int, mmap.mmap] | None = None  # (memfd, its mapping), every page touched
 
     def submit(self, root: Path, name: str, model_state, state: dict, meta: dict, best: bool,
-               keep: int) -> None:
+               keep: int, durable: bool = True) -> None:
         def request(skeleton, layout) -> _Request:
-            return _Request(str(root), name, skeleton["model"], skeleton["state"], meta, best, keep, layout)
+            return _Request(str(root), name, skeleton["model"], skeleton["state"], meta, best, keep, layout,
+                            durable)
 
         self.submit_job(Path(root) / name, {"model": model_state, "state": state}, request)
 

@@ -64,7 +64,8 @@ class CheckpointLayoutError(Exception):
 
 class _MovedIn(checkpoint.Staged):
     """A staged checkpoint whose files are renamed in from the Trainer's folder. Their size and
-    sha256 come from one read, which also fsyncs them (the Trainer wrote them without)."""
+    sha256 come from one read, which also fsyncs them (the Trainer wrote them without), but for
+    the save as the pod goes (see commit_trainer_save)."""
 
     def take(self, name: str, entry: dict) -> None:
         if hasattr(checkpoint, "is_file_name") and not checkpoint.is_file_name(name):
@@ -72,20 +73,26 @@ class _MovedIn(checkpoint.Staged):
         self._entries[name] = dict(entry)
 
 
-def _hash_and_sync(path: Path) -> dict:
-    """Size and sha256 of a file the Trainer wrote without fsync; fsynced here, before the manifest."""
+def _hash_and_sync(path: Path, durable: bool = True) -> dict:
+    """Size and sha256 of a file the Trainer wrote without fsync; fsynced here, before the manifest,
+    when `durable`."""
     digest = hashlib.sha256()
     size = 0
     with open(path, "rb") as file:
         while chunk := file.read(_CHUNK):
             digest.update(chunk)
             size += len(chunk)
-        os.fsync(file.fileno())
+        if durable:
+            os.fsync(file.fileno())
     return {"size": size, "sha256": digest.hexdigest()}
 
 
-def commit_trainer_save(source: Path, root: Path, step: int, meta: dict, beat=lambda: None) -> Path:
-    """Turn the Trainer's `checkpoint-N/` into a committed `root/step-N/` by renaming its files."""
+def commit_trainer_save(source: Path, root: Path, step: int, meta: dict, beat=lambda: None,
+                        durable: bool = True) -> Path:
+    """Turn the Trainer's `checkpoint-N/` into a committed `root/step-N/` by renaming its files.
+    Not `durable` (the save after SIGTERM): its files are not fsynced. The pod is going, the copy
+    that counts is the one the final upload puts in S3 (hashed as it goes up), and every start
+    hashes a local copy before it is used."""
     final = root / checkpoint.step_dir_name(step)
     if checkpoint.is_committed(final):  # the same step saved twice: the first commit stands
         _remove_tree(source)
@@ -100,7 +107,7 @@ def commit_trainer_save(source: Path, root: Path, step: int, meta: dict, beat=la
             os.rename(path, staged.path / name)
         beat()
         with ThreadPoolExecutor(max_workers=max(1, min(len(entries), os.cpu_count() or 1))) as pool:
-            hashed = list(pool.map(lambda item: _hash_and_sync(staged.path / item[0]), entries))
+            hashed = list(pool.map(lambda item: _hash_and_sync(staged.path / item[0], durable), entries))
         beat()
         for (name, _), entry in zip(entries, hashed):
             staged.take(name, entry)
@@ -350,7 +357,8 @@ class CommitCallback(TrainerCallback):
             started = time.monotonic()
             requested = self.save_requested or started
             already = checkpoint.is_committed(final)
-            final = commit_trainer_save(source, self.root, state.global_step, self.meta(state), self.beat)
+            final = commit_trainer_save(source, self.root, state.global_step, self.meta(state), self.beat,
+                                        durable=not self.stopped_by)
             checkpoint.prune(self.root, self.keep)
             nbytes = sum(p.stat().st_size for p in final.iterdir())
             log(f"checkpoint {final.name} committed: {nbytes / 1e6:.1f} MB in {time.monotonic() - started:.2f}s")

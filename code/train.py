@@ -467,9 +467,10 @@ class Trainer:
                 # A pod that died between committing this step and linking it as best/ left best/ behind.
                 self._link_best(folder)
 
-    def save(self, is_best: bool) -> None:
+    def save(self, is_best: bool, durable: bool = True) -> None:
         """Checkpoint this step (a collective: every rank calls it, rank 0 writes). With a saver,
-        it returns once the state is copied; the commit follows in the background."""
+        it returns once the state is copied; the commit follows in the background. Not `durable`:
+        its files are not fsynced (the save as the pod goes; a sharded save fsyncs regardless)."""
         rng = gather_rng_states(self.rt)
         if self.shards:
             self._save_shards(rng, is_best)
@@ -482,7 +483,7 @@ class Trainer:
                 self.wait_for_saves()  # best/ is linked by one writer at a time
                 self._link_best(final)
             return
-        self._write_checkpoint(final, rng, is_best)
+        self._write_checkpoint(final, rng, is_best, durable)
 
     def wait_for_saves(self) -> None:
         """Until the save in flight (if any) is committed."""
@@ -549,18 +550,18 @@ class Trainer:
             "arithmetic": arithmetic(self.rt.device),
         }
 
-    def _write_checkpoint(self, final: Path, rng: list[dict], is_best: bool) -> None:
+    def _write_checkpoint(self, final: Path, rng: list[dict], is_best: bool, durable: bool) -> None:
         started = time.monotonic()
         state = {"optimizer": self.optimizer.state_dict(), **self._train_state(rng)}
         keep = self.cfg.checkpoint.keep
         if self.saver:
             with self._saver_errors():
                 self.saver.submit(self.ckpt_root, final.name, self.raw_model.state_dict(), state, self._meta(),
-                                  is_best, keep)
+                                  is_best, keep, durable)
             return
         try:
             write_step(self.ckpt_root, final.name, self.raw_model.state_dict(), state, self._meta(), is_best,
-                       keep, beat=self.heartbeat.beat)
+                       keep, beat=self.heartbeat.beat, durable=durable)
         except OSError as err:
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise self._no_space(final.name) from None
@@ -738,7 +739,11 @@ class Trainer:
         if self.rt.master:
             log(f"{name}: step {self.step} finished; committing a checkpoint of it before exit")
         self.wait_for_saves()  # this step may be the one in flight: then it is committed now
-        self.save(is_best=False)
+        # Not fsynced: the pod is going, and the copy that counts is the one the final upload puts in
+        # S3 (the uploader hashes what it sends against the manifest). A node that loses power first
+        # leaves a copy here that every start hashes before use. The fsync was most of the save on a
+        # disk that waits for it (docs/performance.md).
+        self.save(is_best=False, durable=False)
         self.wait_for_saves()
         if self.rt.master:
             event("stopped", signal=name, step=self.step)

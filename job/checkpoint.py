@@ -112,15 +112,18 @@ class Staged:
         self._entries: dict[str, dict] = {}
 
     @contextlib.contextmanager
-    def open(self, name: str) -> Iterator[_HashingWriter]:
-        """A writable file in the checkpoint; hashed while written, fsynced when closed."""
+    def open(self, name: str, durable: bool = True) -> Iterator[_HashingWriter]:
+        """A writable file in the checkpoint; hashed while written, fsynced when closed unless not
+        `durable` (a save as the pod goes: S3's copy is the one that counts, and every start
+        hashes a local copy before it is used)."""
         _check_file_name(name)
         with open(self.path / name, "wb") as file:
             writer = _HashingWriter(file)
             try:
                 yield writer
                 file.flush()
-                os.fsync(file.fileno())
+                if durable:
+                    os.fsync(file.fileno())
             except Exception:
                 if writer.error:  # e.g. no space left: say that, not what the serializer made of it
                     raise writer.error from None

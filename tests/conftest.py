@@ -52,6 +52,21 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: -file_seconds(item.path))
 
 
+@pytest.fixture
+def fsynced(monkeypatch) -> list[str]:
+    """The names of the files checkpoint.py fsyncs, in order, as it fsyncs them (they still are)."""
+    import checkpoint
+
+    synced, fsync = [], os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", recording_fsync)
+    return synced
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     with local_s3(buckets=(), set_environ=False) as endpoint:

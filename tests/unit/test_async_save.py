@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import async_save
+import checkpoint
 import config
 
 
@@ -93,6 +94,18 @@ def test_write_step_skips_torch_saves_crc32_and_its_files_still_load_exactly(tmp
             assert {info.CRC for info in archive.infolist()} == {0}, f"{name}: a CRC-32 was computed"
         loaded = torch.load(final / name, weights_only=True, mmap=True)
         assert same(loaded, live), name
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_step_saved_as_the_pod_goes_is_not_fsynced_and_its_manifest_still_comes_last(tmp_path, fsynced, durable):
+    """train.py's save on SIGTERM (durable=False): S3's copy is the one that counts, the uploader
+    hashes what it sends, and every start hashes a local copy before it is used."""
+    model, state = live_state()
+    final = async_save.write_step(tmp_path, "step-00000007", model, state, {"step": 7}, False, 2, durable=durable)
+    files = [name for name in fsynced if name.endswith(".pt")]  # not the manifest, not the folders
+    assert files == (["model.pt", "state.pt"] if durable else [])
+    assert fsynced.index("manifest.json") > max(map(fsynced.index, files), default=-1), "the manifest after"
+    assert checkpoint.verify(final) is None
 
 
 @pytest.mark.parametrize("sizes,offsets,total", [

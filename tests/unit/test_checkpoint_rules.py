@@ -315,18 +315,11 @@ def test_a_received_file_stops_at_its_manifest_size_and_counts_only_when_it_matc
 
 
 @pytest.mark.parametrize("durable", [True, False])
-def test_a_received_file_is_on_disk_before_it_counts_unless_it_is_a_copy_of_s3s(tmp_path, monkeypatch, durable):
+def test_a_received_file_is_on_disk_before_it_counts_unless_it_is_a_copy_of_s3s(tmp_path, fsynced, durable):
     """Its manifest is written after it, so a crash cannot leave a local manifest over bytes the
     disk never got. The restore's copies are not fsynced (durable=False): each start hashes the
     copy before it counts (tests/test_reliability.py: a damaged local copy is replaced)."""
-    synced = []
-    fsync = os.fsync
-
-    def recording_fsync(fd):
-        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
-        fsync(fd)
-
-    monkeypatch.setattr(checkpoint.os, "fsync", recording_fsync)
+    synced = fsynced
     body = b"weights!"
     with checkpoint.stage(tmp_path / "step-00000001") as staged:
         entry = {"size": len(body), "sha256": hashlib.sha256(body).hexdigest()}

@@ -83,6 +83,17 @@ def test_a_trainer_save_is_committed_by_rename_not_copy(tmp_path):
     assert checkpoint.read_manifest(final)["meta"] == {"step": 10, "keep": 3}
 
 
+@pytest.mark.parametrize("durable", [True, False])
+def test_the_save_after_sigterm_is_committed_without_fsync_and_its_manifest_still_comes_last(tmp_path, fsynced,
+                                                                                             durable):
+    source = trainer_save(tmp_path, 10, {"model.safetensors": b"w" * 1000, "optimizer.pt": b"o" * 500})
+    final = hf_resume.commit_trainer_save(source, tmp_path / "checkpoints", 10, {}, durable=durable)
+    files = sorted(name for name in fsynced if name in ("model.safetensors", "optimizer.pt"))
+    assert files == (["model.safetensors", "optimizer.pt"] if durable else [])
+    assert fsynced.index("manifest.json") > max(map(fsynced.index, files), default=-1), "the manifest after"
+    assert checkpoint.verify(final) is None
+
+
 def test_the_same_step_saved_twice_keeps_its_first_commit(tmp_path):
     import torch
 
