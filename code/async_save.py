@@ -25,6 +25,7 @@ import collections
 import contextlib
 import ctypes
 import errno
+import functools
 import importlib
 import mmap
 import multiprocessing
@@ -62,20 +63,24 @@ class NoSpace(OSError):
 def write_step(root: Path, name: str, model_state, state: dict, meta: dict, best: bool, keep: int,
                beat: Callable[[], None] = lambda: None, durable: bool = True) -> Path:
     """Commit checkpoint `name` under `root`, link best/ to it if `best`, prune to `keep`.
-    Not `durable`: its files are not fsynced (checkpoint.Staged.open)."""
+    Not `durable` (trainer_kit.stop_save_durable): its files are not fsynced, and nothing is
+    pruned, so the step before it stays whole on disk."""
     final = root / name
+    # Passed only when False: a checkpoint.py of one's own from before `durable` still saves.
     with checkpoint.stage(final) as staged, without_crc32():
-        with staged.open("model.pt", durable) as file:
+        open_file = staged.open if durable else functools.partial(staged.open, durable=False)
+        with open_file("model.pt") as file:
             torch.save(model_state, file)
         beat()
         _test_delay()
-        with staged.open("state.pt", durable) as file:
+        with open_file("state.pt") as file:
             torch.save(state, file)
         staged.commit(meta=meta)
     beat()
     if best:
         link_best(root, final, meta)
-    checkpoint.prune(root, keep)
+    if durable:
+        checkpoint.prune(root, keep)
     return final
 
 

@@ -90,9 +90,8 @@ def _hash_and_sync(path: Path, durable: bool = True) -> dict:
 def commit_trainer_save(source: Path, root: Path, step: int, meta: dict, beat=lambda: None,
                         durable: bool = True) -> Path:
     """Turn the Trainer's `checkpoint-N/` into a committed `root/step-N/` by renaming its files.
-    Not `durable` (the save after SIGTERM): its files are not fsynced. The pod is going, the copy
-    that counts is the one the final upload puts in S3 (hashed as it goes up), and every start
-    hashes a local copy before it is used."""
+    Not `durable` (the save after a stop signal in a pod: trainer_kit.stop_save_durable): its
+    files are not fsynced."""
     final = root / checkpoint.step_dir_name(step)
     if checkpoint.is_committed(final):  # the same step saved twice: the first commit stands
         _remove_tree(source)
@@ -357,9 +356,11 @@ class CommitCallback(TrainerCallback):
             started = time.monotonic()
             requested = self.save_requested or started
             already = checkpoint.is_committed(final)
+            durable = not self.stopped_by or trainer_kit.stop_save_durable()
             final = commit_trainer_save(source, self.root, state.global_step, self.meta(state), self.beat,
-                                        durable=not self.stopped_by)
-            checkpoint.prune(self.root, self.keep)
+                                        durable=durable)
+            if durable:  # else the step before it stays whole on disk (trainer_kit.stop_save_durable)
+                checkpoint.prune(self.root, self.keep)
             nbytes = sum(p.stat().st_size for p in final.iterdir())
             log(f"checkpoint {final.name} committed: {nbytes / 1e6:.1f} MB in {time.monotonic() - started:.2f}s")
             if not already:  # the Trainer saves synchronously: training waited for all of it

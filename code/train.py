@@ -739,11 +739,9 @@ class Trainer:
         if self.rt.master:
             log(f"{name}: step {self.step} finished; committing a checkpoint of it before exit")
         self.wait_for_saves()  # this step may be the one in flight: then it is committed now
-        # Not fsynced: the pod is going, and the copy that counts is the one the final upload puts in
-        # S3 (the uploader hashes what it sends against the manifest). A node that loses power first
-        # leaves a copy here that every start hashes before use. The fsync was most of the save on a
+        # In a pod not fsynced (trainer_kit.stop_save_durable): the fsync was most of the save on a
         # disk that waits for it (docs/performance.md).
-        self.save(is_best=False, durable=False)
+        self.save(is_best=False, durable=trainer_kit.stop_save_durable())
         self.wait_for_saves()
         if self.rt.master:
             event("stopped", signal=name, step=self.step)

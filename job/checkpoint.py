@@ -12,7 +12,8 @@
 
 Files go into a hidden staging folder, fsynced; manifest.json (each file's size and sha256, and
 `meta`) is written last and the folder renamed into place, so a crash leaves the previous state or
-a whole new checkpoint; the pod uploads manifest.json last too. Several processes may write one
+a whole new checkpoint (or, for a file written with durable=False, one a power cut may have torn,
+which verify() finds); the pod uploads manifest.json last too. Several processes may write one
 (FSDP shards: Staged(final, path=folder), add_written()). A manifest may come from a bucket others
 can write: every reader holds it to manifest_problem's rule, and with CHECKPOINT_HMAC_KEY set it
 counts only signed for its folder and this run (COMPLETE alike: signed_complete, complete_problem).

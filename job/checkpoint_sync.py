@@ -50,6 +50,13 @@ class CheckpointSync:
             self.retention_checked = True
         return any(uploaded)
 
+    def newest_refused(self) -> str | None:
+        """The newest committed step here, when it was not put in S3 because its files do not
+        match its manifest."""
+        local = checkpoint.committed_steps(self.local)
+        name = local[0][1].name if local else None
+        return name if name in self.damaged else None
+
     def in_s3(self, name: str) -> dict | None:
         """The files S3's manifest of a checkpoint lists; None when not committed there, {} when
         its manifest is damaged (then the local one replaces it)."""
@@ -111,7 +118,7 @@ class CheckpointSync:
     def _said_damaged(self, name: str, manifest_bytes: bytes, damage: Exception) -> None:
         self.damaged[name] = manifest_bytes
         log("uploader", f"warning: {name} here does not match its manifest ({damage}); it is not committed "
-                        "in S3, which keeps what it had")
+                        "in S3 (what S3 had committed stays)")
 
     def _said_uploaded(self, name: str, manifest: dict, took: float) -> None:
         size = sum(e["size"] for e in manifest["files"].values())

@@ -209,8 +209,8 @@ def put_checkpoint(s3, ckpts: Location, name: str, handles: dict, manifest_bytes
     hashed as s3transfer reads it to send it, and the manifest goes only once every file sent
     matched its entry (else NotAsCommitted, and S3 holds files that no manifest counts).
     replaces: S3 has this step committed with other bytes (a redone step); its manifest goes
-    first, and only once every file here has been hashed and matched (S3's copy is never traded
-    for a damaged one). copies: file name -> the key of the same bytes already in S3 (checked as
+    first, and only once every file here has been read, hashed and matched (S3's copy is never
+    traded for a damaged one); the upload then hashes what it sends again. copies: file name -> the key of the same bytes already in S3 (checked as
     they went up), copied inside S3 instead of uploaded. still_ours(bytes) is called as the bytes
     go (every 256 KB or so): a part that outlasts the lease stops, and s3transfer aborts the
     multipart upload."""
@@ -236,10 +236,12 @@ def _raise_any_problem(readers) -> None:
 
 
 class _CheckedReader:
-    """A committed file as s3transfer reads it to upload it, hashed on the way: s3transfer reads a
-    part at a time from the front, and botocore may read a body again (a checksum, a retry), so
-    only bytes past those hashed already are added. problem() hashes whatever was not read (none,
-    after an upload) and compares with the manifest's entry; no second read of the file."""
+    """A committed file as s3transfer reads it to upload it, hashed on the way. s3transfer reads a
+    part at a time from the front; botocore reads a single PutObject's body for its checksum, then
+    from the start again to send it, and a retry starts over too: a seek to the start begins the
+    hash anew, so the pass that counts is the last, the one sent. Bytes read again without that
+    seek are not added twice. problem() hashes whatever was not read (nothing, after an upload)
+    and compares with the manifest's entry."""
 
     def __init__(self, handle, name: str, entry: dict):
         self._handle, self._name, self._entry = handle, name, entry
@@ -254,7 +256,10 @@ class _CheckedReader:
         return data
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        return self._handle.seek(offset, whence)
+        position = self._handle.seek(offset, whence)
+        if position == 0:
+            self._sha256, self._hashed = hashlib.sha256(), 0
+        return position
 
     def tell(self) -> int:
         return self._handle.tell()
@@ -271,7 +276,7 @@ class _CheckedReader:
 
     def problem(self) -> str | None:
         where = self._handle.tell()
-        self._handle.seek(self._hashed)
+        self._handle.seek(self._hashed)  # the file's own seek: what was hashed stays
         while self.read(READ_CHUNK):
             pass
         self._handle.seek(where)

@@ -92,6 +92,14 @@ class StopSignal:
         return int(flag.item())
 
 
+def stop_save_durable() -> bool:
+    """Whether the save after a stop signal is fsynced: not in a pod (S3_OUTPUT_URI set), where the
+    final upload puts it in S3, hashing each file as it sends it, and every start hashes a local
+    copy before it is used; a run outside a pod has only the local copy. A save that is not
+    fsynced prunes nothing: the step before it stays whole on disk until the next save."""
+    return not os.environ.get("S3_OUTPUT_URI")
+
+
 def write_progress(output_dir: Path | str, *, step: int, start_step: int | None, max_steps: int,
                    train_loss: float | None, val_loss: float | None, best_val_loss: float | None,
                    best_step: int, speed: dict | None = None) -> None:

@@ -127,9 +127,16 @@ def final(uploader: Uploader, exit_code: int) -> int:
     started = time.monotonic()
     try:
         uploader.checkpoints.sync()
+        refused = uploader.checkpoints.newest_refused()
+        if refused:  # the pod's exit must not say its step is committed (143, 0)
+            log("uploader", f"error: {refused}, the newest step here, is not in S3 (its files do not match its "
+                            "manifest); the next pod resumes from the newest step S3 holds")
         _aside("status.json", lambda: uploader.status.end_attempt(exit_code))
         _aside("logs and events", uploader.segments.sync)
-        code = 0 if exit_code != 0 or uploader.completion.write() else s3lib.EXIT_UNAVAILABLE
+        if refused:
+            code = s3lib.EXIT_UNAVAILABLE
+        else:
+            code = 0 if exit_code != 0 or uploader.completion.write() else s3lib.EXIT_UNAVAILABLE
     except LeaseLost as err:
         log("uploader", f"error: {err}; nothing more is uploaded")
         return EXIT_LEASE_LOST

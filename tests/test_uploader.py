@@ -191,7 +191,8 @@ def test_a_step_damaged_here_after_its_commit_is_never_committed_in_s3_nor_trade
     from boto3.s3.transfer import TransferConfig
     from uploader import Uploader
 
-    monkeypatch.setattr(s3lib, "TRANSFER", TransferConfig(multipart_threshold=5 << 20, multipart_chunksize=5 << 20))
+    monkeypatch.setattr(s3lib, "TRANSFER", TransferConfig(multipart_threshold=5 << 20, multipart_chunksize=5 << 20,
+                                                          preferred_transfer_client="classic"))
     out, uri, ckpts = tmp_path / "out", f"s3://{BUCKET}/runs/damaged/", "runs/damaged/checkpoints/"
     for step in (5, 10):
         with checkpoint.stage(out / "checkpoints" / checkpoint.step_dir_name(step)) as staged:
@@ -227,6 +228,13 @@ def test_a_step_damaged_here_after_its_commit_is_never_committed_in_s3_nor_trade
     said = capfd.readouterr().out
     assert said.count("step-00000010 here does not match its manifest (model.pt does not match its sha256") == 1, said
     assert "step-00000005 here does not match its manifest" in said, said
+
+    # The pod's final upload after SIGTERM: its exit must not say the newest step is committed.
+    final = subprocess.run([sys.executable, str(JOB / "uploader.py"), "final", uri, str(out), "143"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert final.returncode == 75, final.stdout + final.stderr
+    assert "error: step-00000010, the newest step here, is not in S3" in final.stdout, final.stdout
+    assert committed_in_s3(s3, "runs/damaged/") == {5}
 
 
 def flip_a_byte(path: Path, offset: int) -> None:

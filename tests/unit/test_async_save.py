@@ -97,11 +97,15 @@ def test_write_step_skips_torch_saves_crc32_and_its_files_still_load_exactly(tmp
 
 
 @pytest.mark.parametrize("durable", [True, False])
-def test_a_step_saved_as_the_pod_goes_is_not_fsynced_and_its_manifest_still_comes_last(tmp_path, fsynced, durable):
-    """train.py's save on SIGTERM (durable=False): S3's copy is the one that counts, the uploader
-    hashes what it sends, and every start hashes a local copy before it is used."""
+def test_a_step_saved_as_the_pod_goes_is_not_fsynced_and_prunes_nothing(tmp_path, fsynced, durable):
+    """train.py's save on SIGTERM in a pod (durable=False): S3's copy is the one that counts, the
+    uploader hashes what it sends, and every start hashes a local copy before it is used. The
+    step before it stays whole on disk, whatever `keep` says."""
     model, state = live_state()
-    final = async_save.write_step(tmp_path, "step-00000007", model, state, {"step": 7}, False, 2, durable=durable)
+    async_save.write_step(tmp_path, "step-00000006", model, state, {"step": 6}, False, 1)
+    fsynced.clear()
+    final = async_save.write_step(tmp_path, "step-00000007", model, state, {"step": 7}, False, 1, durable=durable)
+    assert [s for s, _ in checkpoint.committed_steps(tmp_path)] == ([7] if durable else [7, 6])
     files = [name for name in fsynced if name.endswith(".pt")]  # not the manifest, not the folders
     assert files == (["model.pt", "state.pt"] if durable else [])
     assert fsynced.index("manifest.json") > max(map(fsynced.index, files), default=-1), "the manifest after"

@@ -346,3 +346,15 @@ def test_a_local_error_receiving_a_file_makes_the_checkpoint_unusable_not_a_cras
     assert type(raised.value) is kind
     if kind is ValueError:
         assert str(raised.value) == f"model.pt could not be written here ({os.strerror(error)})"
+
+
+@pytest.mark.parametrize("output_uri, durable", [(None, True), ("", True), ("s3://bucket/runs/r/", False)])
+def test_the_save_after_a_stop_skips_its_fsync_only_in_a_pod(monkeypatch, output_uri, durable):
+    """Outside a pod (train.py on a laptop, Ctrl-C) the local copy is the only one."""
+    import trainer_kit
+
+    if output_uri is None:
+        monkeypatch.delenv("S3_OUTPUT_URI", raising=False)
+    else:
+        monkeypatch.setenv("S3_OUTPUT_URI", output_uri)
+    assert trainer_kit.stop_save_durable() is durable
