@@ -91,6 +91,7 @@ class CheckpointSync:
         finally:
             for handle in handles.values():
                 handle.close()
+        self.damaged.pop(folder.name, None)  # saved again since, and whole this time
         self._said_uploaded(folder.name, manifest, time.monotonic() - started)
         return True
 

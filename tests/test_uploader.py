@@ -195,12 +195,7 @@ def test_a_step_damaged_here_after_its_commit_is_never_committed_in_s3_nor_trade
                                                           preferred_transfer_client="classic"))
     out, uri, ckpts = tmp_path / "out", f"s3://{BUCKET}/runs/damaged/", "runs/damaged/checkpoints/"
     for step in (5, 10):
-        with checkpoint.stage(out / "checkpoints" / checkpoint.step_dir_name(step)) as staged:
-            with staged.open("model.pt") as file:
-                file.write(os.urandom(11 << 20))
-            with staged.open("state.pt") as file:  # one PutObject: s3transfer closes its body after
-                file.write(os.urandom(2048))
-            staged.commit(meta={"step": step, "keep": 2})
+        save_step(out, step)
     flip_a_byte(out / "checkpoints" / "step-00000010" / "model.pt", (10 << 20) + 512)  # in the third part
     env = uploader_env(tmp_path, s3_endpoint)
     take_lease(env, uri)
@@ -215,26 +210,42 @@ def test_a_step_damaged_here_after_its_commit_is_never_committed_in_s3_nor_trade
         assert sent == (out / "checkpoints" / "step-00000005" / "model.pt").read_bytes()
 
         # Step 5 redone here (a restart that trained it again) and damaged: S3's step 5 stays.
-        with checkpoint.stage(out / "checkpoints" / "step-00000005") as staged:
-            with staged.open("model.pt") as file:
-                file.write(os.urandom(11 << 20))
-            staged.commit(meta={"step": 5, "keep": 2}, replace=True)
+        save_step(out, 5, replace=True)
         flip_a_byte(out / "checkpoints" / "step-00000005" / "model.pt", 7)
         uploader.checkpoints.sync()
+        assert committed_in_s3(s3, "runs/damaged/") == {5}
+        assert s3.get_object(Bucket=BUCKET, Key=ckpts + "step-00000005/model.pt")["Body"].read() == sent
+        assert uploader.checkpoints.newest_refused() == "step-00000010"
+
+        save_step(out, 10, replace=True)  # step 10 saved again, whole this time
+        uploader.checkpoints.sync()
+        assert committed_in_s3(s3, "runs/damaged/") == {5, 10}
+        assert uploader.checkpoints.newest_refused() is None
     finally:
         uploader.writer.keeper.stop()
-    assert committed_in_s3(s3, "runs/damaged/") == {5}
-    assert s3.get_object(Bucket=BUCKET, Key=ckpts + "step-00000005/model.pt")["Body"].read() == sent
     said = capfd.readouterr().out
     assert said.count("step-00000010 here does not match its manifest (model.pt does not match its sha256") == 1, said
     assert "step-00000005 here does not match its manifest" in said, said
 
     # The pod's final upload after SIGTERM: its exit must not say the newest step is committed.
+    save_step(out, 15)
+    flip_a_byte(out / "checkpoints" / "step-00000015" / "state.pt", 3)  # the single PutObject's file
     final = subprocess.run([sys.executable, str(JOB / "uploader.py"), "final", uri, str(out), "143"], env=env,
                            capture_output=True, text=True, timeout=120)
     assert final.returncode == 75, final.stdout + final.stderr
-    assert "error: step-00000010, the newest step here, is not in S3" in final.stdout, final.stdout
-    assert committed_in_s3(s3, "runs/damaged/") == {5}
+    assert "error: step-00000015, the newest step here, is not in S3" in final.stdout, final.stdout
+    assert committed_in_s3(s3, "runs/damaged/") == {5, 10}
+
+
+def save_step(out: Path, step: int, replace: bool = False) -> None:
+    """11 MB in 5 MB parts (model.pt) and 2 KB in one PutObject (state.pt, whose body s3transfer
+    closes after)."""
+    with checkpoint.stage(out / "checkpoints" / checkpoint.step_dir_name(step)) as staged:
+        with staged.open("model.pt") as file:
+            file.write(os.urandom(11 << 20))
+        with staged.open("state.pt") as file:
+            file.write(os.urandom(2048))
+        staged.commit(meta={"step": step, "keep": 2}, replace=replace)
 
 
 def flip_a_byte(path: Path, offset: int) -> None:
