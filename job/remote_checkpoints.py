@@ -210,10 +210,10 @@ def put_checkpoint(s3, ckpts: Location, name: str, handles: dict, manifest_bytes
     matched its entry (else NotAsCommitted, and S3 holds files that no manifest counts).
     replaces: S3 has this step committed with other bytes (a redone step); its manifest goes
     first, and only once every file here has been read, hashed and matched (S3's copy is never
-    traded for a damaged one); the upload then hashes what it sends again. copies: file name -> the key of the same bytes already in S3 (checked as
-    they went up), copied inside S3 instead of uploaded. still_ours(bytes) is called as the bytes
-    go (every 256 KB or so): a part that outlasts the lease stops, and s3transfer aborts the
-    multipart upload."""
+    traded for a damaged one); the upload then hashes what it sends again.
+    copies: file name -> the key of the same bytes already in S3 (checked as they went up), copied
+    inside S3 instead of uploaded. still_ours(bytes) is called as the bytes go (every 256 KB or
+    so): a part that outlasts the lease stops, and s3transfer aborts the multipart upload."""
     copies = copies or {}
     sent = {file_name: _CheckedReader(handle, file_name, files.get(file_name, {}))
             for file_name, handle in handles.items() if file_name not in copies}
