@@ -7,11 +7,14 @@
 # SETTINGS array their names (job/contract.py's SETTINGS).
 # shellcheck disable=SC2034,SC2329 # what it sets is read by script.sh; validate_settings is called there
 
+# shellcheck source=job/s3_uri.sh
+source "$(dirname "${BASH_SOURCE[0]}")/s3_uri.sh"
+
 check_s3_uri() {
   local name=$1 value=${!1:-}
   [[ -n "${value}" ]] || die "${EXIT_BAD_INPUT}" "${name} is not set; set it to s3://bucket/prefix/ ($2)"
-  [[ "${value}" =~ ^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$ ]] ||
-    die "${EXIT_BAD_INPUT}" "${name}=$(shown "${value}") is not an s3://bucket/prefix/ URI$([[ "${value}" != s3://* ]] || echo " (a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens)"); fix it in job.yaml"
+  local fault
+  fault=$(s3_uri_fault "${value}") || die "${EXIT_BAD_INPUT}" "${name}=$(shown "${value}") ${fault}; fix it in job.yaml"
   [[ "${value}" == */ ]] || value="${value}/"
   printf -v "${name}" '%s' "${value}"
   export "${name?}"

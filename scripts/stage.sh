@@ -55,9 +55,12 @@ on_error() {
 
 redact() { LC_ALL=C sed -E -f "${ROOT}/job/redact.sed"; }
 
+# shellcheck source=job/s3_uri.sh
+source "${ROOT}/job/s3_uri.sh"
+
 check_uri() {
-  [[ "$1" =~ ^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$ ]] ||
-    die "${EXIT_BAD_INPUT}" "$(printf '%s' "$1" | redact) is not an s3://bucket/prefix/ URI$([[ "$1" != s3://* ]] || echo " (a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens)")"
+  local fault
+  fault=$(s3_uri_fault "$1") || die "${EXIT_BAD_INPUT}" "$(printf '%s' "$1" | redact) ${fault}"
   [[ "$1" == */ ]] && echo "$1" || echo "$1/"
 }
 

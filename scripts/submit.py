@@ -39,7 +39,7 @@ JOB_YAML = ROOT / "job.yaml"
 JOB_DIR = ROOT / "job"
 sys.path.append(str(JOB_DIR))
 from contract import (CONTROLLER_SETTINGS, EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_UNAVAILABLE,  # noqa: E402
-                      SECRET_SETTINGS, near_misses)
+                      SECRET_SETTINGS, near_misses, s3_uri_fault)
 from train_args import split as split_train_args  # noqa: E402 - TRAIN_ARGS split as the pod splits it
 
 RDZV_PORT = 29400
@@ -72,7 +72,6 @@ FLAG_SETTINGS = {"S3_CODE_URI": "--code", "S3_DATA_URI": "--data", "S3_OUTPUT_UR
                  "TRAIN_ARGS": "--train-args", "NNODES": "--nodes", "NPROC_PER_NODE": "--gpus-per-node"}
 ENGINE_SETTINGS = ("RDZV_ENDPOINT", GROUP_SECRET_KEY, *CONTROLLER_SETTINGS)
 RUN_SETTINGS = ("S3_CODE_URI", "S3_DATA_URI", "S3_OUTPUT_URI")  # job.yaml's placeholders: every run sets its own
-S3_URI_RULE = re.compile(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?")  # as job/script.sh
 
 
 class BadInput(Exception):
@@ -157,7 +156,6 @@ def check_args(args: argparse.Namespace) -> None:
                        "(or pipe: submit.py ... -o json | kubectl apply -f -)")
 
 
-BUCKET_RULE = " (a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens)"
 
 
 def check_uris(args: argparse.Namespace) -> None:
@@ -165,9 +163,8 @@ def check_uris(args: argparse.Namespace) -> None:
     if args.model is not None:
         uris["--model"] = args.model
     for flag, uri in uris.items():
-        if not S3_URI_RULE.fullmatch(uri):
-            rule = BUCKET_RULE if uri.startswith("s3://") else ""
-            raise BadInput(f"{flag} {uri!r} is not an s3://bucket/prefix/ URI{rule}; e.g. {flag} s3://my-bucket/gpt/")
+        if fault := s3_uri_fault(uri):
+            raise BadInput(f"{flag} {uri!r} {fault}; e.g. {flag} s3://my-bucket/gpt/")
     for flag in [flag for flag in uris if flag != "--output"]:
         if overlap(args.output, uris[flag]):
             raise BadInput(f"--output {args.output} and {flag} {uris[flag]} overlap; give --output its own prefix")

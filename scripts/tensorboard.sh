@@ -26,9 +26,12 @@ readonly EXIT_BAD_INPUT=64
 readonly EXIT_UNAVAILABLE=75
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 readonly ROOT
+# shellcheck source=job/s3_uri.sh
+source "${ROOT}/job/s3_uri.sh"
 
-# Every line is printable: run names come from S3.
-say() { echo "tensorboard.sh: $(printable "$*")" >&2; }
+# Every line is printable (run names come from S3) and hides credentials in URLs (job/redact.sed).
+say() { echo "tensorboard.sh: $(printable "$*" | redact)" >&2; }
+redact() { LC_ALL=C sed -E -f "${ROOT}/job/redact.sed"; }
 
 # Text for the terminal: control characters (C0, DEL, C1) and bidirectional overrides as "?", so a
 # run's name cannot move the cursor, retitle the window or reorder the line.
@@ -43,10 +46,13 @@ die() {
 }
 
 check_uri() {
-  [[ "$1" =~ ^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$ ]] ||
-    die "${EXIT_BAD_INPUT}" "$1 is not an s3://bucket/prefix/ URI$([[ "$1" != s3://* ]] || echo " (a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens)"); give a run's folder or the folder of its runs"
+  local fault
+  fault=$(s3_uri_fault "$1") || die "${EXIT_BAD_INPUT}" "$1 ${fault}; give a run's folder or the folder of its runs"
   [[ "$1" == */ ]] && echo "$1" || echo "$1/"
 }
+
+# A value without its scheme, its user:password@ hidden all the same (redact.sed wants a scheme).
+without_scheme_redacted() { local shown; shown=$(printf 'http://%s' "$1" | redact); echo "${shown#http://}"; }
 
 # Prints the endpoint TensorBoard will use (S3_ENDPOINT wins, as in its S3 reader), or nothing.
 check_endpoint() {
@@ -55,8 +61,8 @@ check_endpoint() {
     value=${!name:-}
     [[ -n "${value}" ]] || continue
     [[ "${value}" =~ ^https?://[^/]+ ]] ||
-      die "${EXIT_BAD_INPUT}" "${name}=${value} has no http:// or https:// scheme (TensorBoard's loader" \
-        "would die on it and serve empty pages); give it as http://${value#*://}"
+      die "${EXIT_BAD_INPUT}" "${name}=$(without_scheme_redacted "${value}") has no http:// or https://" \
+        "scheme (TensorBoard's loader would die on it and serve empty pages); give it as http://${value#*://}"
     echo "${value}"
     return 0
   done

@@ -262,3 +262,22 @@ def test_lines_from_processes_sharing_the_pods_pipe_stay_whole():
     assert len(prose) == 2 * lines * processes
     assert all(re.fullmatch(r"\S+Z (train: prose|w\d: helper) .*\d", line) for line in prose), \
         [line for line in prose if not re.fullmatch(r"\S+Z (train: prose|w\d: helper) .*\d", line)][:3]
+
+
+S3_URI_SH = SCRIPT.parent / "s3_uri.sh"
+
+
+@pytest.mark.parametrize("uri,taken", [
+    ("s3://bkt", True), ("s3://bkt/", True), ("s3://my-bucket.v2/runs/r 1/", True), ("s3://" + "a" * 63, True),
+    ("s3://ab/", False), ("s3://" + "a" * 64, False), ("s3://Bucket/x/", False), ("s3://-bkt/", False),
+    ("s3://bkt-/x", False), ("s3:///x/", False), ("https://bkt/x/", False), ("bkt/x/", False), ("", False),
+    ("s3://user:pw@bkt/x/", False), ("s3://bkt/a\nb/", False), ("s3://bkt/a\tb/", False), ("s3://bkt/a\x7f/", False),
+    ("s3://bkt/é/", True),
+])
+def test_the_shell_and_python_tell_an_s3_uri_alike_and_say_why_one_is_not(uri, taken):
+    """s3_uri.sh (settings.sh, stage.sh, tensorboard.sh) and contract.s3_uri_fault (submit.py)."""
+    shell = subprocess.run(["bash", "-c", f'source "{S3_URI_SH}"; s3_uri_fault "$1"', "-", uri],
+                           capture_output=True, text=True)
+    assert (shell.returncode == 0) == taken and shell.stdout == contract.s3_uri_fault(uri)
+    assert bool(shell.stdout) != taken
+    assert ("(a bucket name" in shell.stdout) == (not taken and uri.startswith("s3://"))

@@ -45,3 +45,15 @@ def test_an_unknown_flag_is_bad_input_one_line_and_64(script, tmp_path):
     assert result.returncode == 64, result.stderr
     assert len(result.stderr.splitlines()) == 1 and "error: " in result.stderr, result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args,env,shown", [
+    (["tensorboard.sh", "s3://AKIA1:hunter2@bkt/runs/"], {}, "s3://***@bkt/runs/ is not an s3://bucket/prefix/ URI"),
+    (["tensorboard.sh", "s3://bkt/runs/"], {"S3_ENDPOINT": "minio:hunter2@store:9000"}, "S3_ENDPOINT=***@store:9000 has"),
+    (["stage.sh", "s3://AKIA1:hunter2@bkt/code/"], {}, "s3://***@bkt/code/ is not an s3://bucket/prefix/ URI"),
+], ids=["tensorboard-uri", "tensorboard-endpoint", "stage-uri"])
+def test_a_credential_in_a_bad_uri_or_endpoint_is_never_shown(args, env, shown, tmp_path):
+    result = subprocess.run([str(ROOT / "scripts" / args[0]), *args[1:]], capture_output=True, text=True,
+                            timeout=60, cwd=tmp_path, env={**os.environ, **env})
+    assert result.returncode == 64 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert shown in result.stderr and "hunter2" not in result.stderr, result.stderr
