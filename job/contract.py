@@ -17,6 +17,7 @@ Standard library only: the image's python3 reads it before the pod's Python is c
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -150,6 +151,14 @@ def s3_uri_fault(uri: str) -> str:
         return ""
     bucket_rule = " (a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens)"
     return "is not an s3://bucket/prefix/ URI" + (bucket_rule if uri.startswith("s3://") else "")
+
+
+class BadFlagParser(argparse.ArgumentParser):
+    """A bad flag is bad input: one line and 64, not argparse's usage block and 2 (give prog="NAME.py")."""
+
+    def error(self, message):
+        print(f"{self.prog.removesuffix('.py')}: error: {message}; see {self.prog} --help", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
 
 
 def near_misses(names) -> list[tuple[str, str]]:

@@ -37,7 +37,7 @@ from typing import BinaryIO, Iterable, Iterator
 import numpy as np
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "job"))  # after the libraries: job/ names no shadow
-from contract import EXIT_BAD_INPUT  # noqa: E402 - the exit codes' one definition
+from contract import EXIT_BAD_INPUT, BadFlagParser  # noqa: E402 - the exit codes' one definition
 
 UINT16_VOCAB_LIMIT = 1 << 16
 # Text files are read in blocks of about this many characters (extended to a line end), so one
@@ -351,16 +351,9 @@ def write_file(path: Path, data: bytes) -> None:
 # --- command line ----------------------------------------------------------------------------
 
 
-class Parser(argparse.ArgumentParser):
-    """A bad flag is bad input: one line and 64, not argparse's usage block and 2."""
-
-    def error(self, message):
-        print(f"prepare_data: error: {message}; see prepare_data.py --help", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = Parser(
+    parser = BadFlagParser(
+        prog="prepare_data.py",
         description="Tokenize text into train.bin, val.bin (uint16) and meta.json for the trainer.")
     parser.add_argument("--input", required=True,
                         help="a UTF-8 text file, a directory of .txt files, or a save_to_disk dataset")

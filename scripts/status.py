@@ -683,18 +683,10 @@ refused credentials); 75 S3 unreachable. Errors are one line on stderr.
 """
 
 
-class Parser(argparse.ArgumentParser):
-    """A bad flag is bad input: one line and 64, not argparse's usage block and 2."""
-
-    def error(self, message):
-        print(f"status: error: {message}; see status.py --help", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(description=__doc__.splitlines()[0],
-                    formatter_class=argparse.RawDescriptionHelpFormatter,
-                    epilog="\n".join(__doc__.splitlines()[2:14]) + "\n" + HELP)
+    parser = contract.BadFlagParser(prog="status.py", description=__doc__.splitlines()[0],
+                                    formatter_class=argparse.RawDescriptionHelpFormatter,
+                                    epilog="\n".join(__doc__.splitlines()[2:14]) + "\n" + HELP)
     parser.add_argument("uri", metavar="S3_PREFIX", help="s3://bucket/prefix/ holding runs, or one run")
     parser.add_argument("--json", action="store_true", help="print JSON (a list of runs; one object for one run)")
     parser.add_argument("--stale-after", type=float, default=600, metavar="SECONDS",
