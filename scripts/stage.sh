@@ -24,7 +24,7 @@
 # AWS_ENDPOINT_URL points them at an S3-compatible store.
 set -o errexit -o nounset -o pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}" 2>/dev/null || echo "${BASH_SOURCE[0]}")")/.." && pwd)  # run through a link too
 readonly ROOT
 readonly EXIT_BAD_INPUT=64
 readonly EXIT_UNAVAILABLE=75
@@ -60,7 +60,7 @@ source "${ROOT}/job/s3_uri.sh"
 
 check_uri() {
   local fault
-  fault=$(s3_uri_fault "$1") || die "${EXIT_BAD_INPUT}" "$(printf '%s' "$1" | redact) ${fault}"
+  fault=$(s3_uri_fault "$1") || die "${EXIT_BAD_INPUT}" "$(printf '%s' "$1" | LC_ALL=C tr '\001-\037\177' '?' | redact) ${fault}"
   [[ "$1" == */ ]] && echo "$1" || echo "$1/"
 }
 

@@ -75,8 +75,8 @@ def printable(text: str, limit: int | None = MAX_TEXT, keep: str = "") -> str:
 
 def parse_uri(uri: str) -> tuple[str, str]:
     """(bucket, prefix ending in / or empty)."""
-    if not uri.startswith("s3://") or len(uri) <= 5 or uri[5] == "/":
-        raise BadInput(f"{uri!r} is not an s3://bucket/prefix/ URI; give one, e.g. s3://my-bucket/gpt/runs/")
+    if fault := contract.s3_uri_fault(uri):
+        raise BadInput(f"{uri!r} {fault}; give one, e.g. s3://my-bucket/gpt/runs/")
     bucket, _, prefix = uri[5:].partition("/")
     if prefix and not prefix.endswith("/"):
         prefix += "/"

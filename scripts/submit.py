@@ -156,8 +156,6 @@ def check_args(args: argparse.Namespace) -> None:
                        "(or pipe: submit.py ... -o json | kubectl apply -f -)")
 
 
-
-
 def check_uris(args: argparse.Namespace) -> None:
     uris = {"--code": args.code, "--data": args.data, "--output": args.output}
     if args.model is not None:

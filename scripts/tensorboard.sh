@@ -24,7 +24,7 @@ set -o errexit -o nounset -o pipefail
 
 readonly EXIT_BAD_INPUT=64
 readonly EXIT_UNAVAILABLE=75
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}" 2>/dev/null || echo "${BASH_SOURCE[0]}")")/.." && pwd)  # run through a link too
 readonly ROOT
 # shellcheck source=job/s3_uri.sh
 source "${ROOT}/job/s3_uri.sh"
@@ -51,8 +51,13 @@ check_uri() {
   [[ "$1" == */ ]] && echo "$1" || echo "$1/"
 }
 
-# A value without its scheme, its user:password@ hidden all the same (redact.sed wants a scheme).
-without_scheme_redacted() { local shown; shown=$(printf 'http://%s' "$1" | redact); echo "${shown#http://}"; }
+# An endpoint with its user:password@ hidden, with or without a scheme, whatever the password holds.
+hide_userinfo() {
+  local scheme="" rest=$1
+  if [[ "$1" == *://* ]]; then scheme="${1%%://*}://"; rest=${1#*://}; fi
+  [[ "${rest}" != *@* ]] || rest="***@${rest##*@}"
+  echo "${scheme}${rest}"
+}
 
 # Prints the endpoint TensorBoard will use (S3_ENDPOINT wins, as in its S3 reader), or nothing.
 check_endpoint() {
@@ -61,8 +66,8 @@ check_endpoint() {
     value=${!name:-}
     [[ -n "${value}" ]] || continue
     [[ "${value}" =~ ^https?://[^/]+ ]] ||
-      die "${EXIT_BAD_INPUT}" "${name}=$(without_scheme_redacted "${value}") has no http:// or https://" \
-        "scheme (TensorBoard's loader would die on it and serve empty pages); give it as http://${value#*://}"
+      die "${EXIT_BAD_INPUT}" "${name}=$(hide_userinfo "${value}") has no http:// or https:// scheme" \
+        "(TensorBoard's loader would die on it and serve empty pages); give it as http://$(hide_userinfo "${value#*://}")"
     echo "${value}"
     return 0
   done

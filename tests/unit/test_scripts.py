@@ -50,10 +50,25 @@ def test_an_unknown_flag_is_bad_input_one_line_and_64(script, tmp_path):
 @pytest.mark.parametrize("args,env,shown", [
     (["tensorboard.sh", "s3://AKIA1:hunter2@bkt/runs/"], {}, "s3://***@bkt/runs/ is not an s3://bucket/prefix/ URI"),
     (["tensorboard.sh", "s3://bkt/runs/"], {"S3_ENDPOINT": "minio:hunter2@store:9000"}, "S3_ENDPOINT=***@store:9000 has"),
+    (["tensorboard.sh", "s3://bkt/runs/"], {"S3_ENDPOINT": "minio:ab/hunter2+@store:9000"}, "give it as http://***@store"),
+    (["tensorboard.sh", "s3://bkt/runs/"], {"AWS_ENDPOINT_URL": "ftp://minio:hunter2@store"}, "=ftp://***@store has"),
     (["stage.sh", "s3://AKIA1:hunter2@bkt/code/"], {}, "s3://***@bkt/code/ is not an s3://bucket/prefix/ URI"),
-], ids=["tensorboard-uri", "tensorboard-endpoint", "stage-uri"])
+    (["stage.sh", "s3://AKIA1:hunter2@bkt/a\nb\x1b]0;x\x07/"], {}, "s3://***@bkt/a?b?]0;x?/ holds a control character"),
+], ids=["tensorboard-uri", "tensorboard-endpoint", "tensorboard-endpoint-slash", "tensorboard-endpoint-scheme",
+        "stage-uri", "stage-controls"])
 def test_a_credential_in_a_bad_uri_or_endpoint_is_never_shown(args, env, shown, tmp_path):
     result = subprocess.run([str(ROOT / "scripts" / args[0]), *args[1:]], capture_output=True, text=True,
                             timeout=60, cwd=tmp_path, env={**os.environ, **env})
     assert result.returncode == 64 and len(result.stderr.splitlines()) == 1, result.stderr
     assert shown in result.stderr and "hunter2" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("script", ["stage.sh", "tensorboard.sh"])
+def test_a_script_run_through_a_link_finds_the_checkout_it_belongs_to(script, tmp_path):
+    # e.g. ln -s ~/toolkit/scripts/tensorboard.sh ~/bin/: job/s3_uri.sh is read from the checkout
+    link = tmp_path / "bin" / script
+    link.parent.mkdir()
+    link.symlink_to(ROOT / "scripts" / script)
+    result = subprocess.run([str(link), "https://bkt/x/"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 64 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "https://bkt/x/ is not an s3://bucket/prefix/ URI" in result.stderr, result.stderr
