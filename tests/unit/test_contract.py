@@ -271,8 +271,9 @@ S3_URI_SH = SCRIPT.parent / "s3_uri.sh"
     ("s3://bkt", True), ("s3://bkt/", True), ("s3://my-bucket.v2/runs/r 1/", True), ("s3://" + "a" * 63, True),
     ("s3://ab/", False), ("s3://" + "a" * 64, False), ("s3://Bucket/x/", False), ("s3://-bkt/", False),
     ("s3://bkt-/x", False), ("s3:///x/", False), ("https://bkt/x/", False), ("bkt/x/", False), ("", False),
-    ("s3://user:pw@bkt/x/", False), ("s3://bkt/a\nb/", False), ("s3://bkt/a\tb/", False), ("s3://bkt/a\x7f/", False),
-    ("s3://Bkt/a\nb/", False), ("s3://bkt/é/", True), ("s3://bkt/\x85/", True), ("s3://bkt/a\n", False),
+    ("s3://user:pw@bkt/x/", False), ("s3://bkt/a\nb/", True), ("s3://bkt/a\tb/", True), ("s3://bkt/a\x7f/", True),
+    ("s3://Bkt/a\nb/", False), ("s3://bkt/é/", True), ("s3://bkt/\x85/", True), ("s3://bkt/a\n", True),
+    ("s3://bk\nt/", False),
 ])
 def test_the_shell_and_python_tell_an_s3_uri_alike_and_say_why_one_is_not(uri, taken):
     """s3_uri.sh (settings.sh, stage.sh, tensorboard.sh) and contract.s3_uri_fault (submit.py)."""
@@ -280,6 +281,4 @@ def test_the_shell_and_python_tell_an_s3_uri_alike_and_say_why_one_is_not(uri, t
                            capture_output=True, text=True)
     assert (shell.returncode == 0) == taken and shell.stdout == contract.s3_uri_fault(uri)
     assert bool(shell.stdout) != taken
-    controls = any(ord(c) < 32 or ord(c) == 127 for c in uri)
-    assert ("holds a control character" == shell.stdout) == controls
-    assert ("(a bucket name" in shell.stdout) == (not taken and not controls and uri.startswith("s3://"))
+    assert ("(a bucket name" in shell.stdout) == (not taken and uri.startswith("s3://"))
