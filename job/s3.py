@@ -21,7 +21,7 @@ from botocore.config import Config
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 import s3_errors
-from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE, printable, write_line  # noqa: F401 - the helpers' exit codes, named here too
+from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE, printable, s3_uri_fault, write_line  # noqa: F401 - the helpers' exit codes, named here too
 
 # Large parts: fewer requests, and S3 servers (moto included) that re-read an object per ranged
 # GET stay fast.
@@ -69,8 +69,11 @@ class Location:
 
     @classmethod
     def parse(cls, uri: str) -> "Location":
-        if not uri.startswith("s3://") or len(uri) <= 5:
-            raise BadInput(f"{uri!r} is not an s3://bucket/prefix/ URI")
+        """The pod's shell has checked uri already (job/s3_uri.sh); a caller from anywhere else gets the
+        same rule here, not a bucket name S3 would refuse later."""
+        fault = s3_uri_fault(uri)
+        if fault:
+            raise BadInput(f"{uri!r} {fault}")
         bucket, _, prefix = uri[5:].partition("/")
         if prefix and not prefix.endswith("/"):
             prefix += "/"
