@@ -183,7 +183,7 @@ def pod_reads() -> dict[str, set[str]]:
 
 
 def laptop_reads() -> dict[str, set[str]]:
-    reads = python_reads("scripts")
+    reads = python_reads("scripts", "scripts/lib")
     for path in sorted((ROOT / "scripts").rglob("*.sh")):
         for name in shell_reads(path):
             reads.setdefault(name, set()).add(str(path.relative_to(ROOT)))
