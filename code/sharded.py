@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import errno
+import io
 import os
 import pickle
 import shutil
@@ -527,7 +528,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader whose .metadata is unpickled with DCP's own classes only."""
+    """DCP's file reader whose .metadata is unpickled with DCP's own classes only, whose files are
+    plain names in its folder, and whose non-tensor values load as torch.load(weights_only=True)
+    would: DCP's planner unpickles them with weights_only=False, and anyone who may write the bucket
+    may write a checkpoint's files when no CHECKPOINT_HMAC_KEY signs its manifest."""
 
     def __init__(self, path: Path):
         super().__init__(path)
@@ -539,8 +543,36 @@ class SafeReader(dcp.FileSystemReader):
                 metadata = _MetadataUnpickler(file).load()
             if not isinstance(metadata, dcp_metadata.Metadata):
                 raise pickle.UnpicklingError(f"{METADATA} holds no DCP metadata")
+            for where in (metadata.storage_data or {}).values():
+                if not checkpoint.is_file_name(getattr(where, "relative_path", None)):
+                    raise pickle.UnpicklingError(f"{METADATA} names {getattr(where, 'relative_path', None)!r}, "
+                                                 "not a file of its folder")
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = dcp_metadata.StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             self._metadata = metadata
         return self._metadata
+
+    def read_data(self, plan, planner):
+        return super().read_data(plan, _PlainBytes(planner))
+
+
+class _PlainBytes:
+    """A load planner whose load_bytes first unpickles the value as weights_only=True does (tensors,
+    numbers, strings, containers): what passes names no other global, so the planner's own
+    torch.load(weights_only=False) of the same bytes builds only those."""
+
+    def __init__(self, planner):
+        self._planner = planner
+
+    def __getattr__(self, name: str):
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item, value) -> None:
+        data = value.read()
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError as err:  # torch's message is a page long; its reason is one line
+            reason = next((line for line in str(err).splitlines() if "GLOBAL" in line), "refused")
+            raise pickle.UnpicklingError(f"{read_item.dest_index.fqn!r} is not plain data: {reason}") from None
+        self._planner.load_bytes(read_item, io.BytesIO(data))
