@@ -36,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
+from contract import untrusted_json
+
 MANIFEST = "manifest.json"
 FORMAT = 1
 KNOWN_FORMATS = (1,)
@@ -254,8 +256,8 @@ def read_manifest(folder: Path) -> dict | None:
 
 def _load_manifest(folder: Path):
     try:
-        return json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError, RecursionError):
+        return untrusted_json((folder / MANIFEST).read_bytes())
+    except (OSError, ValueError):
         return None
 
 
@@ -345,8 +347,8 @@ def complete_problem(raw: bytes) -> str | None:
     if not key:
         return None
     try:
-        body = json.loads(raw) if len(raw) <= MAX_COMPLETE_BYTES else None
-    except (ValueError, RecursionError):
+        body = untrusted_json(raw) if len(raw) <= MAX_COMPLETE_BYTES else None
+    except ValueError:
         body = None
     if not isinstance(body, dict) or not isinstance(body.get("hmac"), str):
         return f"it is not signed ({HMAC_KEY_ENV} is set)"

@@ -153,11 +153,9 @@ class Store:
         if len(body) > MAX_JSON_BYTES:
             raise Unreadable(f"{name} is over {MAX_JSON_BYTES >> 20} MB")
         try:
-            value = json.loads(body)
-        except RecursionError:
-            raise Unreadable(f"{name} is nested too deep") from None
-        except ValueError:
-            raise Unreadable(f"{name} is not JSON") from None
+            value = contract.untrusted_json(body)
+        except ValueError as err:
+            raise Unreadable(f"{name} is nested too deep" if "nested" in str(err) else f"{name} is not JSON") from None
         if not isinstance(value, dict):
             raise Unreadable(f"{name} is a JSON {type(value).__name__}, not an object")
         return value

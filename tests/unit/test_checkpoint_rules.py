@@ -201,6 +201,29 @@ def test_a_signed_folder_copied_under_a_newer_name_or_from_another_run_is_skippe
     assert checkpoint.read_manifest(ours) is not None
 
 
+def deepest_json_the_parser_takes_here() -> bytes:
+    """A forger's deepest nesting that json.loads still parses at this stack depth: json.dumps of it
+    (a signature's) recurses one level further."""
+    low, high = 1, 5000
+    while low < high:
+        middle = (low + high + 1) // 2
+        try:
+            json.loads("[" * middle + "]" * middle)
+            low = middle
+        except RecursionError:
+            high = middle - 1
+    return b'{"hmac": "x", "a": ' + b"[" * (low - 1) + b"]" * (low - 1) + b"}"
+
+
+def test_a_forged_complete_or_manifest_nested_as_deep_as_the_parser_goes_is_not_signed(monkeypatch, tmp_path):
+    monkeypatch.setenv("CHECKPOINT_HMAC_KEY", KEY)
+    monkeypatch.setenv("S3_OUTPUT_URI", RUN)
+    deep = deepest_json_the_parser_takes_here()
+    assert "is not signed" in checkpoint.complete_problem(deep)
+    (tmp_path / checkpoint.MANIFEST).write_bytes(deep)
+    assert checkpoint.read_manifest(tmp_path) is None
+
+
 def test_complete_is_signed_for_the_run_and_judged_like_a_manifest(monkeypatch):
     summary = {"steps": 10, "train_loss": 1.5, "completed_at": 2.5}
     monkeypatch.delenv("CHECKPOINT_HMAC_KEY", raising=False)

@@ -100,6 +100,8 @@ MANIFEST_KEY = CKPTS.key(step(5), "manifest.json")
     (None, False, None),                                               # never committed
     (b"{not json", False, "its manifest.json is not JSON"),
     (b"[" * 100_000, False, "its manifest.json is not JSON"),          # deeper than the parser goes
+    (json.dumps({**GOOD, "meta": {"a": [[[[]]]] * 1}}).encode().replace(b"[[[[]]]]", b"[" * 70 + b"]" * 70), False,
+     "its manifest.json is not JSON (nested deeper than 64 levels)"),  # parsed, but a signature's json.dumps may not
     (b" " * (s3lib.MAX_JSON_BYTES + 1), False, "larger than 16 MiB"),
     (json.dumps(GOOD).encode(), True, None),
     (b"[]", True, "does not list files with size and sha256"),
