@@ -125,8 +125,11 @@ def ranks_files(manifest: dict, ranks: tuple[int, int, int]) -> set[str] | None:
     if not (isinstance(reads, list) and len(reads) == world and isinstance(common, list)
             and all(isinstance(r, list) for r in reads)):
         return None
-    wanted = set(common).union(*reads[first:first + count])
-    return wanted if all(isinstance(n, str) and n in files for n in wanted) else None
+    named = [common, *reads[first:first + count]]
+    if not all(isinstance(n, str) for names in named for n in names):  # a forged meta may hold anything
+        return None
+    wanted = set().union(*named)
+    return wanted if all(n in files for n in wanted) else None
 
 
 def listed_sizes(s3, where: Location, retry) -> dict[str, int]:

@@ -124,6 +124,8 @@ def test_restore_takes_a_block_of_ranks_of_a_world(argv, parsed):
     ({}, (0, 1, 2), None),  # not sharded
     ({"shards": {**SHARDS_META, "reads": [["__0_0.distcp"], ["../x"]]}}, (1, 1, 2), None),  # not its file
     ({"shards": {**SHARDS_META, "reads": "all"}}, (1, 1, 2), None),
+    ({"shards": {**SHARDS_META, "common": [{}]}}, (0, 1, 2), None),  # a forged meta: names that are not text
+    ({"shards": {**SHARDS_META, "reads": [[["__0_0.distcp"]], []]}}, (0, 1, 2), None),
 ])
 def test_a_node_fetches_what_the_manifest_says_its_ranks_read_or_everything(meta, ranks, files):
     manifest = {"files": {name: {} for name in SHARD_FILES}, "meta": meta}
