@@ -175,7 +175,9 @@ def _is_attempt(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A time a clock gives: finite and far from float's limits (JSON's integers have none: one of
+    401 digits overflowed the final upload's arithmetic)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and -1e15 < value < 1e15
 
 
 def _heartbeat_time() -> float:

@@ -370,7 +370,9 @@ def _is_int(value) -> bool:
 
 
 def _is_real(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A number a float holds (NaN too): JSON's integers have no bound, and one past float's overflows."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and (isinstance(value, float) or abs(value) <= sys.float_info.max))
 
 
 def _kind(value) -> str:

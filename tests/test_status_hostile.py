@@ -51,6 +51,8 @@ HOSTILE = {
                    "status.json attempts[0]: started_at is text, not a time (Unix seconds)"),
     "start-far": ({"status.json": status_with(attempts__0__started_at=1e300)},
                   "status.json attempts[0]: started_at is 1e+300, not a time (Unix seconds)"),
+    "loss-huge": ({"status.json": status_with(progress__best_val_loss=10 ** 400)},  # past a float: not shown as one
+                  "status.json progress: best_val_loss is 1" + "0" * 39 + ", not a number"),
     "attempts-text": ({"status.json": status_with(attempts="many")}, "status.json: attempts is text, not a list"),
     "rate-text": ({"status.json": status_with(progress__tokens_per_sec="fast")},
                   "status.json progress: tokens_per_sec is text, not a finite number of 0 or more"),

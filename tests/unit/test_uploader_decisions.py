@@ -31,6 +31,8 @@ GOOD = {"attempt": 1, "pod": "p-1", "started_at": 100.0, "heartbeat_at": 110.0, 
     ({"attempts": [GOOD, "x"]}, None),
     ({"attempts": [{**GOOD, "started_at": "yesterday"}]}, None),
     ({"attempts": [{**GOOD, "started_at": True}]}, None),
+    ({"attempts": [{**GOOD, "started_at": 10 ** 400}]}, None),   # JSON's integers have no bound; a float's do
+    ({"attempts": [{**GOOD, "ended_at": float("inf")}]}, None),
     ({"attempts": [{**GOOD, "ended_at": "x"}]}, None),
     ({"attempts": [{**GOOD, "heartbeat_at": [1]}]}, None),
     ({"attempts": [{k: v for k, v in GOOD.items() if k != "started_at"}]}, None),
