@@ -523,8 +523,10 @@ def plot(store: Store, runs: list[RunFiles], path: Path) -> int:
     with tempfile.TemporaryDirectory(prefix="status-plot-") as temp:
         for index, run in enumerate(runs):
             folder = Path(temp) / f"run-{index}"
-            for key in run.event_files:
-                store.download(run.prefix + key, folder / Path(key).name)
+            # TensorBoard reads a folder's event files in name order (the second each was opened):
+            # numbered in that order, a name from S3 can be neither too long for the disk nor a clash.
+            for number, key in enumerate(sorted(run.event_files, key=lambda k: Path(k).name)):
+                store.download(run.prefix + key, folder / f"{number:06d}.tfevents")
             curves = loss_curves(folder) if run.event_files else {}
             if not curves:
                 print(f"status: note: {printable(run.name or run.prefix)}: no loss in TensorBoard event files yet",

@@ -141,6 +141,28 @@ def test_logs_print_each_attempts_log_escaped_without_events_unless_asked(s3, to
     assert none.returncode == 64 and f"no pod logs under {RUNS}logs/" in none.stderr
 
 
+def test_plot_reads_event_files_whatever_their_names(s3, tool_path, tmp_path):
+    # Two pods' files (the second resumed at step 5: purge_step), under names of 300 characters, each
+    # name in two folders: the download must neither fail on the name nor let one file replace another.
+    from torch.utils.tensorboard import SummaryWriter
+
+    for number, (purge, steps, offset) in enumerate(((None, range(1, 9), 0.0), (6, range(6, 11), 100.0))):
+        folder = tmp_path / str(number)
+        writer = SummaryWriter(str(folder), purge_step=purge)
+        for step in steps:
+            writer.add_scalar("train/loss", offset + step, step)
+        writer.close()
+        written = next(folder.iterdir()).read_bytes()
+        for inner in ("", "again/"):
+            name = f"events.out.tfevents.{1000 + number}.pod" + "x" * 300
+            s3.put_object(Bucket=BUCKET, Key=f"runs/long/tensorboard/{inner}{name}", Body=written)
+    s3.put_object(Bucket=BUCKET, Key="runs/long/status.json", Body=status_with())
+    png = tmp_path / "loss.png"
+    result = status(f"{RUNS}long/", "--plot", str(png))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert png.stat().st_size > 0 and "no loss" not in result.stderr, result.stderr
+
+
 def tensorboard_says(uri: str) -> str:
     """tensorboard.sh's lines about the runs (said before it starts TensorBoard, which is then stopped)."""
     from podlab import free_ports
