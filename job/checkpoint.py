@@ -36,8 +36,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
-from contract import untrusted_json
-
 MANIFEST = "manifest.json"
 FORMAT = 1
 KNOWN_FORMATS = (1,)
@@ -61,6 +59,28 @@ def parse_step(name: str) -> int | None:
     # fullmatch and [0-9]: no trailing newline ($ allows one), no non-ASCII digits (\d, int() take them).
     match = STEP_DIR.fullmatch(name) if isinstance(name, str) else None
     return int(match.group(1)) if match else None
+
+
+# The pod's own JSON nests 5 deep. Python's parser takes about 1,000 levels, and code that walks what
+# it parsed (json.dumps for a signature, repr) recurses deeper than that and fails.
+JSON_MAX_DEPTH = 64
+
+
+def untrusted_json(raw: bytes | str):
+    """json.loads for what S3 or another process handed over: ValueError when it is not JSON or
+    nests deeper than JSON_MAX_DEPTH (checked a level at a time, containers only)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested deeper than the parser goes") from None
+    level, depth = ([value] if isinstance(value, (dict, list)) else []), 0
+    while level:
+        depth += 1
+        if depth > JSON_MAX_DEPTH:
+            raise ValueError(f"nested deeper than {JSON_MAX_DEPTH} levels")
+        level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(child, (dict, list))]
+    return value
 
 
 def is_file_name(name) -> bool:

@@ -262,28 +262,6 @@ def matches(record: dict | None, kind: str, /, **fields) -> bool:
     return record is not None and record.get("event") == kind and all(record.get(k) == v for k, v in fields.items())
 
 
-# The project's own JSON nests 5 deep. Python's parser takes about 1,000 levels, and code that walks
-# what it parsed (json.dumps for a signature, repr) recurses deeper than that and fails.
-JSON_MAX_DEPTH = 64
-
-
-def untrusted_json(raw: bytes | str):
-    """json.loads for what S3 or another process handed over: ValueError when it is not JSON or
-    nests deeper than JSON_MAX_DEPTH."""
-    try:
-        value = json.loads(raw)
-    except RecursionError:
-        raise ValueError("nested deeper than the parser goes") from None
-    pending = [(value, 1)]
-    while pending:
-        item, depth = pending.pop()
-        if isinstance(item, (dict, list)):
-            if depth > JSON_MAX_DEPTH:
-                raise ValueError(f"nested deeper than {JSON_MAX_DEPTH} levels")
-            pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return value
-
-
 def _value(text: str):
     try:
         return json.loads(text)

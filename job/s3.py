@@ -21,7 +21,8 @@ from botocore.config import Config
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 import s3_errors
-from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE, printable, s3_uri_fault, untrusted_json, write_line  # noqa: F401 - the helpers' exit codes, named here too
+from checkpoint import untrusted_json
+from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE, printable, s3_uri_fault, write_line  # noqa: F401 - the helpers' exit codes, named here too
 
 # Large parts: fewer requests, and S3 servers (moto included) that re-read an object per ranged
 # GET stay fast.

@@ -153,7 +153,7 @@ class Store:
         if len(body) > MAX_JSON_BYTES:
             raise Unreadable(f"{name} is over {MAX_JSON_BYTES >> 20} MB")
         try:
-            value = contract.untrusted_json(body)
+            value = checkpoint.untrusted_json(body)
         except ValueError as err:
             raise Unreadable(f"{name} is nested too deep" if "nested" in str(err) else f"{name} is not JSON") from None
         if not isinstance(value, dict):

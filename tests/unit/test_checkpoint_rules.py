@@ -381,3 +381,31 @@ def test_the_save_after_a_stop_skips_its_fsync_only_in_a_pod(monkeypatch, output
     else:
         monkeypatch.setenv("S3_OUTPUT_URI", output_uri)
     assert trainer_kit.stop_save_durable() is durable
+
+
+@pytest.mark.parametrize("raw,fault", [
+    (b'{"files": {"model.pt": {"size": 1}}}', None),
+    (b"[" * 64 + b"]" * 64, None),
+    (b"[" * 65 + b"]" * 65, "nested deeper than 64 levels"),
+    (b'{"a": ' * 65 + b"1" + b"}" * 65, "nested deeper than 64 levels"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested deeper than the parser goes"),
+    (b"{not json", "Expecting property name"),
+])
+def test_untrusted_json_is_bounded_in_depth(raw, fault):
+    if fault is None:
+        assert checkpoint.untrusted_json(raw) == json.loads(raw)
+    else:
+        with pytest.raises(ValueError, match=fault):
+            checkpoint.untrusted_json(raw)
+
+
+def test_checkpoint_py_alone_imports_with_the_standard_library_only(tmp_path):
+    # Its promise to any trainer (docs/own-trainer.md): copied beside a script, it needs nothing else.
+    import subprocess
+    import sys
+
+    shutil.copy(checkpoint.__file__, tmp_path / "checkpoint.py")
+    result = subprocess.run([sys.executable, "-S", "-c", "import checkpoint, sys; print(sorted(m for m in sys.modules "
+                             "if m in ('contract', 'torch', 'numpy')))"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
