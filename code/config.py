@@ -275,7 +275,7 @@ def _data_meta(path: Path, cfg: Config) -> dict:
         return {}
     try:
         meta = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: "[[[[..." nesting
         meta = None
     if not isinstance(meta, dict):
         raise ConfigError(f"{path} is not a JSON object; make the data with scripts/prepare_data.py (or delete "

@@ -41,6 +41,7 @@ BAD = [
     ("another dtype in meta.json", {"meta": {"vocab_size": 256, "dtype": "uint32"}},
      "meta.json says the token ids are 'uint32', but the trainer reads uint16"),
     ("meta.json that is not JSON", {"meta": "{vocab"}, "meta.json is not a JSON object"),
+    ("meta.json nested deeper than the parser goes", {"meta": "[" * 100_000}, "meta.json is not a JSON object"),
     ("a vocab_size that is not a number", {"meta": {"vocab_size": "big"}}, "meta.json: vocab_size is 'big'"),
     ("a larger vocabulary than the model's", {"meta": {"vocab_size": 50257}},
      "model.vocab_size (256) is smaller than the data's vocabulary (50257"),
