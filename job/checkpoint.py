@@ -66,18 +66,22 @@ def parse_step(name: str) -> int | None:
 JSON_MAX_DEPTH = 64
 
 
+class TooDeep(ValueError):
+    """JSON nested deeper than JSON_MAX_DEPTH."""
+
+
 def untrusted_json(raw: bytes | str):
-    """json.loads for what S3 or another process handed over: ValueError when it is not JSON or
-    nests deeper than JSON_MAX_DEPTH (checked a level at a time, containers only)."""
+    """json.loads for what S3 or another process handed over: ValueError when it is not JSON,
+    TooDeep when it nests deeper than JSON_MAX_DEPTH (checked a level at a time, containers only)."""
     try:
         value = json.loads(raw)
     except RecursionError:
-        raise ValueError("nested deeper than the parser goes") from None
+        raise TooDeep("nested deeper than the parser goes") from None
     level, depth = ([value] if isinstance(value, (dict, list)) else []), 0
     while level:
         depth += 1
         if depth > JSON_MAX_DEPTH:
-            raise ValueError(f"nested deeper than {JSON_MAX_DEPTH} levels")
+            raise TooDeep(f"nested deeper than {JSON_MAX_DEPTH} levels")
         level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)
                  if isinstance(child, (dict, list))]
     return value

@@ -21,7 +21,7 @@ from botocore.config import Config
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 import s3_errors
-from checkpoint import untrusted_json
+from checkpoint import TooDeep, untrusted_json
 from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE, printable, s3_uri_fault, write_line  # noqa: F401 - the helpers' exit codes, named here too
 
 # Large parts: fewer requests, and S3 servers (moto included) that re-read an object per ranged
@@ -233,8 +233,10 @@ def parse_json(body: bytes, name: str):
         raise ValueError(f"its {name} is larger than {MAX_JSON_BYTES >> 20} MiB")
     try:
         return untrusted_json(body)
-    except ValueError as err:
-        raise ValueError(f"its {name} is not JSON ({err})" if "nested" in str(err) else f"its {name} is not JSON") from None
+    except TooDeep as err:
+        raise ValueError(f"its {name} is not JSON ({err})") from None
+    except ValueError:
+        raise ValueError(f"its {name} is not JSON") from None
 
 
 def put_json(s3, where: Location, key: str, value: dict, retry) -> None:

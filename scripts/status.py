@@ -154,8 +154,10 @@ class Store:
             raise Unreadable(f"{name} is over {MAX_JSON_BYTES >> 20} MB")
         try:
             value = checkpoint.untrusted_json(body)
-        except ValueError as err:
-            raise Unreadable(f"{name} is nested too deep" if "nested" in str(err) else f"{name} is not JSON") from None
+        except checkpoint.TooDeep:
+            raise Unreadable(f"{name} is nested too deep") from None
+        except ValueError:
+            raise Unreadable(f"{name} is not JSON") from None
         if not isinstance(value, dict):
             raise Unreadable(f"{name} is a JSON {type(value).__name__}, not an object")
         return value
