@@ -267,7 +267,9 @@ def build(settings: Settings, args: argparse.Namespace, world_size: int, texts: 
     problem = parallelism_problem(settings.train.parallelism, cuda)
     if problem:
         raise ConfigError(problem)
-    warning = fsdp_trust_warning(settings.train.parallelism, bool(os.environ.get("CHECKPOINT_HMAC_KEY")))
+    import checkpoint
+
+    warning = fsdp_trust_warning(settings.train.parallelism, bool(os.environ.get(checkpoint.HMAC_KEY_ENV)))
     if warning and int(os.environ.get("RANK", 0)) == 0:
         log(warning)
     bf16 = cuda and settings.model.dtype == "bfloat16"

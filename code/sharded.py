@@ -545,7 +545,7 @@ class SafeReader(dcp.FileSystemReader):
                 raise pickle.UnpicklingError(f"{METADATA} holds no DCP metadata")
             for where in (metadata.storage_data or {}).values():
                 if not checkpoint.is_file_name(getattr(where, "relative_path", None)):
-                    raise pickle.UnpicklingError(f"{METADATA} names {getattr(where, 'relative_path', None)!r}, "
+                    raise pickle.UnpicklingError(f"{METADATA} names {checkpoint.shown(getattr(where, 'relative_path', None))}, "
                                                  "not a file of its folder")
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = dcp_metadata.StorageMeta()
@@ -574,5 +574,5 @@ class _PlainBytes:
             torch.load(io.BytesIO(data), weights_only=True)
         except pickle.UnpicklingError as err:  # torch's message is a page long; its reason is one line
             reason = next((line for line in str(err).splitlines() if "GLOBAL" in line), "refused")
-            raise pickle.UnpicklingError(f"{read_item.dest_index.fqn!r} is not plain data: {reason}") from None
+            raise pickle.UnpicklingError(f"{checkpoint.shown(read_item.dest_index.fqn)} is not plain data: {reason}") from None
         self._planner.load_bytes(read_item, io.BytesIO(data))

@@ -303,9 +303,9 @@ def manifest_problem(value, folder: str) -> str | None:
         return "its manifest does not list files with size and sha256"
     bad = next((name for name in files if not is_file_name(name)), None)
     if bad is not None:
-        return f"its manifest names {_shown(bad)}, which is not a plain file name"
+        return f"its manifest names {shown(bad)}, which is not a plain file name"
     if type(value.get("format")) is not int or value["format"] not in KNOWN_FORMATS:
-        return f"its manifest has format {_shown(value.get('format'))}, this runtime reads format {FORMAT}"
+        return f"its manifest has format {shown(value.get('format'))}, this runtime reads format {FORMAT}"
     absent = value.get("absent", [])
     if not isinstance(absent, list) or not all(isinstance(n, str) and n in files for n in absent):
         return "its manifest's absent files are not names it lists"
@@ -340,9 +340,9 @@ def _binding_problem(signed: dict, folder: str | None, what: str) -> str | None:
     if "run" not in signed or (folder is not None and "folder" not in signed):
         return f"{what} is signed but names no folder and run (an older runtime signed it); it counts in no run"
     if folder is not None and signed["folder"] != folder:
-        return f"{what} was signed for folder {_shown(signed['folder'])}, not {_shown(folder)} (a copy)"
+        return f"{what} was signed for folder {shown(signed['folder'])}, not {shown(folder)} (a copy)"
     if signed["run"] != run_identity():
-        return f"{what} was signed for run {_shown(signed['run'])}, not {_shown(run_identity())} (another run's)"
+        return f"{what} was signed for run {shown(signed['run'])}, not {shown(run_identity())} (another run's)"
     return None
 
 
@@ -391,7 +391,7 @@ def _hmac_key() -> bytes | None:
     return os.environ.get(HMAC_KEY_ENV, "").encode() or None  # an empty key is no key
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     """A value from an untrusted manifest, as one short escaped token for a log line."""
     text = ascii(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -408,7 +408,7 @@ def _not_written(name: str, err: OSError) -> Exception:
 
 def _check_file_name(name) -> None:
     if not is_file_name(name):
-        raise ValueError(f"bad checkpoint file name {_shown(name)}: a checkpoint holds plain file names only")
+        raise ValueError(f"bad checkpoint file name {shown(name)}: a checkpoint holds plain file names only")
 
 
 def is_committed(folder: Path) -> bool:
