@@ -267,11 +267,6 @@ def build(settings: Settings, args: argparse.Namespace, world_size: int, texts: 
     problem = parallelism_problem(settings.train.parallelism, cuda)
     if problem:
         raise ConfigError(problem)
-    import checkpoint
-
-    warning = fsdp_trust_warning(settings.train.parallelism, bool(os.environ.get(checkpoint.HMAC_KEY_ENV)))
-    if warning and int(os.environ.get("RANK", 0)) == 0:
-        log(warning)
     bf16 = cuda and settings.model.dtype == "bfloat16"
     tokenizer = load_tokenizer(AutoTokenizer, args.model_dir)
     train_texts, val_texts = texts
@@ -359,15 +354,6 @@ def parallelism_problem(parallelism: str, cuda: bool) -> str | None:
         return ("train.parallelism: fsdp needs GPUs (accelerate shards a Trainer's model only across GPUs; on "
                 "CPU it would train with DDP instead); set train.parallelism: ddp")
     return None
-
-
-def fsdp_trust_warning(parallelism: str, signed: bool) -> str | None:
-    """accelerate resumes a sharded Trainer checkpoint through DCP's own reader, which unpickles it in
-    full: whoever may write the bucket could run code, unless only signed steps count (docs/security.md)."""
-    if parallelism != "fsdp" or signed:
-        return None
-    return ("warning: train.parallelism: fsdp resumes through accelerate's DCP reader, which runs any pickle a "
-            "checkpoint holds; set CHECKPOINT_HMAC_KEY so that only steps signed with it are restored")
 
 
 def fsdp_arguments(parallelism: str) -> dict:

@@ -549,11 +549,16 @@ def _plain_cpu_device(args) -> None:
 
 def _train_unless_done(train, callback: CommitCallback):
     """trainer.train, returning at once when the callback found the run done before its first
-    step, and ending the process with the group's code when a peer went away."""
+    step, and ending the process with the group's code when a peer went away. Under FSDP the Trainer
+    resumes through accelerate, which reads DCP's files with dcp.FileSystemReader: that name is
+    safe_dcp.SafeReader meanwhile (DCP's own reader runs the pickles a checkpoint holds)."""
     @functools.wraps(train)
     def train_unless_done(*args, **kwargs):
+        import safe_dcp  # torch's DCP: transformers' Trainer has imported it already
+
         try:
-            return train(*args, **kwargs)
+            with safe_dcp.readers_replaced():
+                return train(*args, **kwargs)
         except _RunDone as done:
             from transformers.trainer_utils import TrainOutput
 

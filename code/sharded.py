@@ -13,18 +13,15 @@ files to rank 0 (node 0 alone uploads). DCP reshards on load, so N processes res
 The manifest's meta "shards" lists the files each rank reads, so a node of a group fetches only its
 ranks' (restore.py --ranks); a file a rank lacks is sent by a peer before the load. With a saver,
 save() returns once this rank's shards are copied; the save processes commit together over a gloo
-group of their own. DCP's .metadata is a pickle: read by an unpickler that knows DCP's metadata
-classes and nothing else. docs/fsdp.md has the details.
+group of their own. Checkpoints are read by safe_dcp.SafeReader (DCP's own reader runs the pickles
+a checkpoint holds). docs/fsdp.md has the details.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import errno
-import io
 import os
-import pickle
 import shutil
 import socket
 import uuid
@@ -36,10 +33,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -47,8 +42,8 @@ from torch.distributed.tensor import DTensor
 
 import checkpoint
 from async_save import SaveFailed, _Bases, link_best, rebuild, saved_in_process, without_crc32
+from safe_dcp import METADATA, SafeReader
 
-METADATA = ".metadata"  # DCP's index of every shard: which file, where in it
 TRAIN_STATE = "train_state.pt"
 SHIP_CHUNK = 64 << 20  # bytes per message when a rank sends a file to another node
 GROUP_TIMEOUT = timedelta(minutes=30)
@@ -491,88 +486,3 @@ def _store_address(rank: int, world: int, group) -> tuple | None:
         return None
     prefix = _broadcast(group, world, f"shard-savers/{uuid.uuid4().hex}/" if rank == 0 else None)
     return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), prefix
-
-
-# -- reading DCP's metadata safely -------------------------------------------------------------------
-
-def _metadata_classes() -> dict:
-    allowed = {("torch.distributed.checkpoint.metadata", name): value for name, value in vars(dcp_metadata).items()
-               if isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))}
-    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
-    allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    allowed[("builtins", "getattr")] = _enum_member
-    allowed[("pathlib", "PosixPath")] = Path
-    allowed[("collections", "OrderedDict")] = dict
-    return allowed
-
-
-def _enum_member(owner, name: str):
-    """The one use of getattr in DCP's metadata: a member of one of its enums."""
-    if isinstance(owner, type) and issubclass(owner, enum.Enum) and name in owner.__members__:
-        return owner[name]
-    raise pickle.UnpicklingError(f"DCP metadata asks for {name!r} of {owner!r}")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    allowed = None
-
-    def find_class(self, module: str, name: str):
-        if _MetadataUnpickler.allowed is None:
-            _MetadataUnpickler.allowed = _metadata_classes()
-        if (module, name) in self.allowed:
-            return self.allowed[module, name]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
-
-
-class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader whose .metadata is unpickled with DCP's own classes only, whose files are
-    plain names in its folder, and whose non-tensor values load as torch.load(weights_only=True)
-    would: DCP's planner unpickles them with weights_only=False, and anyone who may write the bucket
-    may write a checkpoint's files when no CHECKPOINT_HMAC_KEY signs its manifest."""
-
-    def __init__(self, path: Path):
-        super().__init__(path)
-        self._metadata = None
-
-    def read_metadata(self, *args, **kwargs):
-        if self._metadata is None:
-            with open(Path(self.path) / METADATA, "rb") as file:
-                metadata = _MetadataUnpickler(file).load()
-            if not isinstance(metadata, dcp_metadata.Metadata):
-                raise pickle.UnpicklingError(f"{METADATA} holds no DCP metadata")
-            for where in (metadata.storage_data or {}).values():
-                if not checkpoint.is_file_name(getattr(where, "relative_path", None)):
-                    raise pickle.UnpicklingError(f"{METADATA} names {checkpoint.shown(getattr(where, 'relative_path', None))}, "
-                                                 "not a file of its folder")
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = dcp_metadata.StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            self._metadata = metadata
-        return self._metadata
-
-    def read_data(self, plan, planner):
-        return super().read_data(plan, _PlainBytes(planner))
-
-
-class _PlainBytes:
-    """A load planner whose load_bytes first unpickles the value as weights_only=True does (tensors,
-    numbers, strings, containers): what passes names no other global, so the planner's own
-    torch.load(weights_only=False) of the same bytes builds only those."""
-
-    def __init__(self, planner):
-        self._planner = planner
-
-    def __getattr__(self, name: str):
-        return getattr(self._planner, name)
-
-    def load_bytes(self, read_item, value) -> None:
-        data = value.read()
-        try:
-            torch.load(io.BytesIO(data), weights_only=True)
-        except pickle.UnpicklingError as err:  # torch's message is a page long; its reason is one line
-            reason = next((line for line in str(err).splitlines() if "GLOBAL" in line), "refused")
-            raise pickle.UnpicklingError(f"{checkpoint.shown(read_item.dest_index.fqn)} is not plain data: {reason}") from None
-        self._planner.load_bytes(read_item, io.BytesIO(data))

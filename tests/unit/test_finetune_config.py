@@ -235,14 +235,6 @@ def test_resume_checks_the_folder_the_pods_restore_hashed_by_size_only(tmp_path,
     assert hf_resume.newest_committed(tmp_path) == root / "step-00000005", "hashed in full: the damage seen"
 
 
-@pytest.mark.parametrize("parallelism,signed,warned", [("fsdp", False, True), ("fsdp", True, False),
-                                                       ("ddp", False, False)])
-def test_a_sharded_trainer_without_a_signing_key_is_warned(parallelism, signed, warned):
-    # accelerate's DCP reader unpickles a checkpoint in full: only signing keeps a forged step out
-    warning = finetune.fsdp_trust_warning(parallelism, signed)
-    assert (warning is not None) == warned and (warning is None or "set CHECKPOINT_HMAC_KEY" in warning)
-
-
 @pytest.mark.parametrize("parallelism,cuda,problem", [
     ("ddp", False, None), ("fsdp", True, None),
     ("fsdp", False, "train.parallelism: fsdp needs GPUs (accelerate shards a Trainer's model only across GPUs; on "

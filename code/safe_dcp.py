@@ -1,0 +1,1 @@
+../job/safe_dcp.py
