@@ -19,6 +19,8 @@ import dataclasses
 import enum
 import io
 import pickle
+import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -66,15 +68,44 @@ class SafeReader(dcp.FileSystemReader):
 
 @contextlib.contextmanager
 def readers_replaced():
-    """dcp.FileSystemReader is SafeReader while inside: for code that makes its own reader by that
-    name when it loads (accelerate's load_fsdp_model and load_fsdp_optimizer, which a Trainer under
-    FSDP resumes through)."""
-    original = dcp.FileSystemReader
-    dcp.FileSystemReader = SafeReader
+    """DCP's reader is SafeReader while inside, under every name a loaded module holds it by:
+    `dcp.FileSystemReader`, which accelerate's load_fsdp_model and load_fsdp_optimizer (a Trainer's
+    FSDP resume) build their readers by, and the copies DCP's own modules took when they loaded
+    (dcp.load(checkpoint_id=...) without a reader, format_utils). Threads may enter and leave in any
+    order: the first in replaces, the last out puts back."""
+    global _inside
+    with _lock:
+        if _inside == 0:
+            _replaced.extend(_replace_everywhere())
+        _inside += 1
     try:
         yield
     finally:
-        dcp.FileSystemReader = original
+        with _lock:
+            _inside -= 1
+            if _inside == 0:
+                for module in _replaced:
+                    if vars(module).get(_NAME) is SafeReader:
+                        setattr(module, _NAME, _DCP_READER)
+                _replaced.clear()
+
+
+_NAME = "FileSystemReader"
+_DCP_READER = dcp.FileSystemReader  # DCP's own, which every module that loaded holds under _NAME
+_lock = threading.Lock()
+_inside = 0
+_replaced: list = []
+
+
+def _replace_everywhere() -> list:
+    """The modules whose FileSystemReader was DCP's own, now SafeReader. Only each module's own
+    namespace is read (vars), so a lazy module is never made to import anything."""
+    replaced = []
+    for module in list(sys.modules.values()):
+        if module is not None and vars(module).get(_NAME) is _DCP_READER:
+            setattr(module, _NAME, SafeReader)
+            replaced.append(module)
+    return replaced
 
 
 class _PlainBytes:

@@ -76,3 +76,59 @@ def test_metadata_naming_a_file_outside_its_folder_is_refused(tmp_path, path):
     (tmp_path / safe_dcp.METADATA).write_bytes(pickle.dumps(metadata))
     with pytest.raises(pickle.UnpicklingError, match="not a file of its folder"):
         safe_dcp.SafeReader(tmp_path).read_metadata()
+
+
+def crafted_folder(folder):
+    crafted = _Runs()
+    crafted.marker = folder / "ran"
+    (folder / safe_dcp.METADATA).write_bytes(pickle.dumps(crafted))
+    return crafted.marker
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_inside_readers_replaced_every_name_dcps_reader_is_held_by_reads_safely(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import format_utils
+
+    marker = crafted_folder(tmp_path)
+    original = dcp.FileSystemReader
+    with safe_dcp.readers_replaced():
+        with pytest.raises(BaseException, match="posix.system is not part of DCP's metadata"):
+            dcp.load({"w": torch.zeros(2)}, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
+        with pytest.raises(BaseException, match="posix.system is not part of DCP's metadata"):
+            dcp.load({"w": torch.zeros(2)}, checkpoint_id=tmp_path, no_dist=True)  # DCP picks its reader itself
+        with pytest.raises(BaseException, match="posix.system is not part of DCP's metadata"):
+            format_utils.dcp_to_torch_save(tmp_path, tmp_path / "model.pt")
+    assert not marker.exists()
+    assert dcp.FileSystemReader is original and format_utils.FileSystemReader is original, "put back"
+
+
+def test_threads_that_leave_in_another_order_keep_the_safe_reader_until_the_last_leaves():
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    original = dcp.FileSystemReader
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with safe_dcp.readers_replaced():
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with safe_dcp.readers_replaced():
+            b_in.set()
+            a_out.wait(10)
+            seen["after a left"] = dcp.FileSystemReader
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen["after a left"] is safe_dcp.SafeReader
+    assert dcp.FileSystemReader is original
