@@ -7,7 +7,8 @@ Usage:
         [--config config/conf.yaml] [--train-script train.py] [--train-args ARGS] [--model s3://B/model/]
         [--env KEY=VALUE]... [-n NAMESPACE] [-o yaml|json] [--apply | --check]
 
-Prints one stream (YAML, or a v1 List with -o json) or applies it (`kubectl apply -f -`): the
+Prints one stream (YAML, or a v1 List with -o json) or applies it (`kubectl apply --server-side -f -`:
+a plain apply would copy the ConfigMap into an annotation, over Kubernetes' 256 KiB for them): the
 ConfigMap of job/, named after its content (<run>-script-<hash10>, immutable: every workload mounts
 that one, so a running pod never sees a changed script), the group's Secret, a NetworkPolicy, the
 engine's objects. Every workload is job.yaml's pod template with only what its engine needs changed.
@@ -110,7 +111,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="print the stream as YAML (default) or as a JSON v1 List")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", dest="apply", action="store_false", help="print the stream (default)")
-    mode.add_argument("--apply", dest="apply", action="store_true", help="kubectl apply -f - the stream")
+    mode.add_argument("--apply", dest="apply", action="store_true", help="kubectl apply --server-side -f - the stream")
     mode.add_argument("--check", action="store_true",
                       help="check what the pods would refuse (settings, S3, code, config, data), apply nothing")
     parser.set_defaults(apply=False)  # else --dry-run's store_false would make applying the default
@@ -153,7 +154,7 @@ def check_args(args: argparse.Namespace) -> None:
                        "and '-', at most 63 characters)")
     if args.format is not None and (args.apply or args.check):
         raise BadInput("-o formats the printed stream; --apply and --check print none: drop one of them "
-                       "(or pipe: submit.py ... -o json | kubectl apply -f -)")
+                       "(or pipe: submit.py ... -o json | kubectl apply --server-side -f -)")
 
 
 def check_uris(args: argparse.Namespace) -> None:
@@ -600,12 +601,21 @@ def script_names(node, run: str) -> list[str]:
     return own + [found for value in node.values() for found in script_names(value, run)]
 
 
+# Server-side: a client-side apply stores the whole object in its last-applied-configuration
+# annotation, and the ConfigMap of job/ is over the 256 KiB that all of an object's annotations may hold.
+APPLY = ("apply", "--server-side", "-f", "-")
+
+
 def apply(stream: str) -> None:
-    result = subprocess.run([kubectl(), "apply", "-f", "-"], input=stream, capture_output=True, text=True)
+    result = subprocess.run([kubectl(), *APPLY], input=stream, capture_output=True, text=True)
     sys.stdout.write(result.stdout)
     if result.returncode == 0:
         return
     line = last_line(result.stderr)
+    conflict = next((found for found in result.stderr.splitlines() if "Apply failed with" in found), None)
+    if conflict:  # another field manager (kubectl edit, a client-side apply) set these fields otherwise
+        raise BadInput(f"kubectl apply: {conflict.removeprefix('error: ')}; if these objects are this run's, apply "
+                       "the printed stream with kubectl apply --server-side --force-conflicts -f FILE")
     if "no matches for kind" in result.stderr:
         raise BadInput(f"the cluster does not know this engine's kind ({line}); "
                        "install its controller or pick another --engine")

@@ -176,6 +176,16 @@ def test_configmap_renders_from_job_folder_with_kubectl():
     assert len(result.stdout.encode()) < 1 << 20, "a ConfigMap holds at most 1 MiB"
 
 
+def test_every_command_that_applies_the_configmap_applies_it_server_side():
+    # A client-side `kubectl apply` copies the whole object into its last-applied-configuration
+    # annotation, and an object's annotations may hold 262144 bytes: job/'s ConfigMap is about that.
+    places = [ROOT / "README.md", ROOT / "job.yaml", *sorted((ROOT / "docs").glob("*.md"))]
+    commands = [(path.name, line) for path in places for line in path.read_text().splitlines()
+                if re.search(r"kubectl apply .*(-f -|gpt-run\.yaml)", line) and "`" not in line]
+    assert len(commands) >= 5, commands  # README (2), job.yaml, cluster.md (2), multi-node.md
+    assert [c for c in commands if "--server-side" not in c[1]] == []
+
+
 # -- the pod's Python environment ------------------------------------------------------------------
 
 def fake_wheel(folder: Path, name: str = "tinydep", version: str = "1.0") -> Path:

@@ -334,7 +334,8 @@ def fake_kubectl(tmp_path: Path, apply_says: str = "", apply_exit: int = 0) -> t
     bin_dir, record = tmp_path / "bin", tmp_path / "applied.yaml"
     bin_dir.mkdir()
     script = bin_dir / "kubectl"
-    script.write_text(f"#!/bin/sh\nif [ \"$1\" = apply ]; then cat > '{record}'; echo '{apply_says}' >&2; "
+    script.write_text(f"#!/bin/sh\nif [ \"$1\" = apply ]; then cat > '{record}'; echo \"$*\" > '{record}.args'; "
+                      f"printf '%s\\n' '{apply_says}' >&2; "
                       f"exit {apply_exit}; fi\nexec '{VENV_BIN / 'kubectl'}' \"$@\"\n")
     script.chmod(0o755)
     return {"PATH": f"{bin_dir}:{VENV_BIN}:/usr/bin:/bin"}, record
@@ -354,6 +355,8 @@ def test_apply_pipes_exactly_the_printed_stream(tmp_path):
     applied = submit(*RUN, *CASES["jobset"], "--apply", env=env)
     assert printed.returncode == applied.returncode == 0, printed.stderr + applied.stderr
     assert without_the_key(record.read_text()) == without_the_key(printed.stdout) and "kind: JobSet" in printed.stdout
+    # server-side: a client-side apply would copy the ConfigMap into an annotation, over its 256 KiB
+    assert Path(f"{record}.args").read_text().split() == ["apply", "--server-side", "-f", "-"]
     assert "kind: Secret" in record.read_text(), "no cluster to ask: the new key goes up"
 
 
@@ -441,6 +444,17 @@ def test_apply_names_an_immutable_field_as_bad_input(tmp_path):
     result = submit(*RUN, *CASES["indexed"], "--apply", env=env)
     assert result.returncode == 64 and len(result.stderr.splitlines()) == 1, result.stderr
     assert "field is immutable; a running workload keeps its spec: delete it first" in result.stderr
+
+
+def test_apply_names_another_managers_fields_as_bad_input(tmp_path):
+    says = ('error: Apply failed with 1 conflict: conflict with "kubectl-edit" using batch/v1: .spec.parallelism\n'
+            "Please review the fields above--they currently have other managers.")
+    env, _ = fake_kubectl(tmp_path, says, 1)
+    result = submit(*RUN, *CASES["indexed"], "--apply", env=env)
+    assert result.returncode == 64 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert ('kubectl apply: Apply failed with 1 conflict: conflict with "kubectl-edit" using batch/v1: .spec.parallelism; '
+            "if these objects are this run's, apply the printed stream with kubectl apply --server-side "
+            "--force-conflicts -f FILE") in result.stderr
 
 
 def test_apply_in_a_namespace_asks_for_the_secret_there_and_applies_there(tmp_path):
