@@ -3,7 +3,7 @@
     python minimal_train.py --config config/minimal.yaml --data_dir DATA --output_dir OUT
 
 The same command on every start: it resumes from the newest committed checkpoint, commits one every
-`save_every` steps (manifest last) and on SIGTERM (then exits 143), touches $HEALTH_FILE, writes
+`save_every` steps (manifest last) and on SIGTERM or SIGINT (then exits 143 or 130), touches $HEALTH_FILE, writes
 progress.json. Batches are drawn by step and the RNG is saved, so resume is bitwise exact on CPU.
 """
 import argparse
@@ -21,8 +21,9 @@ from torch import nn
 import checkpoint  # the runtime's (job/checkpoint.py): on the pod's PYTHONPATH; stage.sh puts a copy beside
 
 SETTINGS = {"max_steps": 200, "save_every": 20, "keep": 3, "lr": 1e-3, "batch_size": 32, "context": 8, "seed": 0}
-stop = []  # not empty once SIGTERM came: a preemption, or the pod deleted
-signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+stop = []  # not empty once SIGTERM (a preemption, the pod deleted) or SIGINT came: the pod forwards both
+for stop_signal in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(stop_signal, lambda signum, frame: stop.append(signum))
 
 
 def load_settings(path: str) -> dict:
@@ -94,7 +95,7 @@ def main() -> int:
         if signalled or step % s["save_every"] == 0 or step == s["max_steps"]:
             save(out, step, model, optimizer, s, loss.item())
         if signalled:
-            return 128 + signalled  # 143: this step is committed
+            return 128 + signalled  # 143 or 130: this step is committed
     return 0
 
 

@@ -1,4 +1,4 @@
-"""code/minimal_train.py, the example a user copies: on its own (SIGTERM commits and exits 143,
+"""code/minimal_train.py, the example a user copies: on its own (SIGTERM or SIGINT commits and exits 143 or 130,
 SIGKILL and the same command again end bitwise equal to an uninterrupted run, bad settings exit 64),
 and as a user's own folder staged with stage.sh --code and run by the real job.yaml: the node lost
 once a checkpoint is in S3, the next pod resumes from it and completes, bitwise equal."""
@@ -78,13 +78,15 @@ def reference(tmp_path_factory, corpus):
     return final_state(folder / "out", SETTINGS["max_steps"])
 
 
-def test_sigterm_commits_the_step_and_exits_143_then_the_same_command_completes_exactly(tmp_path, corpus, reference):
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_stop_signal_commits_the_step_and_exits_128_plus_it_then_the_same_command_completes_exactly(
+        tmp_path, corpus, reference, stop_signal):
     config, out, health = settings_file(tmp_path), tmp_path / "out", tmp_path / "healthy"
     proc = start(config, corpus, out, HEALTH_FILE=str(health))
     assert wait_until(lambda: progress_step(out) >= 20, 120, interval=0.01), "never reached step 20"
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(stop_signal)
     code, output = finish(proc)
-    assert code == 143, output
+    assert code == 128 + stop_signal, output
     stopped = progress_step(out)
     assert stopped < SETTINGS["max_steps"]
     assert checkpoint.committed_steps(out / "checkpoints")[0][0] == stopped, "the step it stopped at is committed"
