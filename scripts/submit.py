@@ -101,7 +101,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=1, help="pods in the group (default 1)")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="nvidia.com/gpu per pod (default: job.yaml's)")
     parser.add_argument("--config", "--train-config", dest="train_config", default=None,
-                        help="TRAIN_CONFIG, relative to the code (default: job.yaml's)")
+                        help="TRAIN_CONFIG, relative to the code (default: the pod's: config/conf.yaml, "
+                             "config/finetune.yaml with --train-script finetune.py)")
     parser.add_argument("--train-script", default=None, help="TRAIN_SCRIPT, relative to the code")
     parser.add_argument("--train-args", default=None, help="TRAIN_ARGS: the trainer's extra arguments, as one string")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",

@@ -124,8 +124,7 @@ def test_the_default_job_is_job_yaml_itself():
     values = ["gpt-train", "--image", JOB_POD["containers"][0]["image"], "--code", JOB_ENV["S3_CODE_URI"],
               "--data", JOB_ENV["S3_DATA_URI"], "--output", JOB_ENV["S3_OUTPUT_URI"]]
     assert submit.render(submit.parse_args(values)) == [submit.network_policy("gpt-train"), JOB]
-    explicit = submit.parse_args([*values, "--engine", "job", "--nodes", "1", "--gpus-per-node", "4",
-                                  "--train-config", JOB_ENV["TRAIN_CONFIG"]])
+    explicit = submit.parse_args([*values, "--engine", "job", "--nodes", "1", "--gpus-per-node", "4"])
     assert submit.render(explicit) == [submit.network_policy("gpt-train"), JOB]
 
 
@@ -135,7 +134,7 @@ def test_the_job_differs_from_job_yaml_only_where_the_flags_say():
     assert differences(job, JOB) == {
         ".metadata.name", ".metadata.labels.app.kubernetes.io/name", ".spec.template.metadata.labels.app.kubernetes.io/name",
         f"{pod}.image", f"{pod}.env.S3_CODE_URI.value", f"{pod}.env.S3_DATA_URI.value", f"{pod}.env.S3_OUTPUT_URI.value",
-        f"{pod}.env.TRAIN_CONFIG.value", f"{pod}.env.TRAIN_SCRIPT", f"{pod}.resources.requests.nvidia.com/gpu",
+        f"{pod}.env.TRAIN_CONFIG", f"{pod}.env.TRAIN_SCRIPT", f"{pod}.resources.requests.nvidia.com/gpu",
         f"{pod}.resources.limits.nvidia.com/gpu"}
     env = {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["TRAIN_SCRIPT"] == "ft.py" and env["S3_OUTPUT_URI"] == "s3://bkt/gpt/runs/a/"
@@ -341,8 +340,8 @@ def test_the_settings_flags_reach_every_engines_pod_literally(engine):
 @pytest.mark.parametrize("engine", ALL_ENGINES)
 def test_without_the_new_flags_the_pod_has_none_of_their_settings(engine):
     env = pod_env(engine)
-    assert not {"S3_MODEL_URI", "TRAIN_ARGS"} & env.keys()
-    assert env["TRAIN_CONFIG"] == JOB_ENV["TRAIN_CONFIG"] and env["SYNC_INTERVAL_SECONDS"] == "60"
+    assert not {"S3_MODEL_URI", "TRAIN_ARGS", "TRAIN_CONFIG", "TRAIN_SCRIPT"} & env.keys(), "the pod's defaults hold"
+    assert env["SYNC_INTERVAL_SECONDS"] == "60"
 
 
 def test_train_config_is_still_taken_for_config():
