@@ -1,4 +1,4 @@
-"""Hugging Face fine-tuning (code/finetune.py with code/hf_resume.py): a tiny random Llama and a
+"""Hugging Face fine-tuning (code/finetune.py with hf_resume.py): a tiny random Llama and a
 tokenizer trained here, saved as a local snapshot; the real transformers Trainer, peft and torchrun.
 Exact resume after SIGKILL (LoRA and full, 1 and 2 processes), the SIGTERM save, a Trainer save
 torn mid-write, what a run leaves on disk, and the bad-input exits."""

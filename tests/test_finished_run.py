@@ -79,6 +79,9 @@ def finished(module_s3, s3_endpoint, tmp_path_factory):
             module_s3.upload_file(str(data / name), BUCKET, f"data/{name}")
         module_s3.put_object(Bucket=BUCKET, Key="code/config/ft.yaml", Body=FT_CONFIG.encode())
         module_s3.put_object(Bucket=BUCKET, Key="code/plain_trainer.py", Body=PLAIN_TRAINER.encode())
+        # The Trainer scripts import the runtime's hf_resume (the ConfigMap's, on PYTHONPATH), as a
+        # folder staged with --code does: code/'s copy is taken out.
+        module_s3.delete_object(Bucket=BUCKET, Key="code/hf_resume.py")
     runs: dict[str, Run] = {}
 
     def get(trainer: str) -> Run:

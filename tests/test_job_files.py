@@ -148,7 +148,7 @@ def test_no_script_traces_commands():
         assert not re.search(r"^\s*set\s+-[a-z]*x|set -o xtrace|bash -x", text, re.M), name
 
 
-@pytest.mark.parametrize("name", ["checkpoint.py", "contract.py", "trainer_kit.py", "safe_dcp.py"])
+@pytest.mark.parametrize("name", ["checkpoint.py", "contract.py", "trainer_kit.py", "safe_dcp.py", "hf_resume.py"])
 def test_stage_uploads_the_runtime_modules_code_links_as_their_files(s3, name):
     # code/checkpoint.py and code/contract.py are links to job/'s: a trainer synced from S3 without
     # job/ imports them, so they must arrive as files, not as links or not at all.

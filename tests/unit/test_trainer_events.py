@@ -35,7 +35,7 @@ def test_the_trainer_events_are_in_the_contract_and_its_table(kind, fields):
     assert len(rows) == 1 and rows[0][len(kind):].strip().startswith(fields), rows
 
 
-@pytest.mark.parametrize("name", ["checkpoint.py", "contract.py", "trainer_kit.py", "safe_dcp.py"])
+@pytest.mark.parametrize("name", ["checkpoint.py", "contract.py", "trainer_kit.py", "safe_dcp.py", "hf_resume.py"])
 def test_code_links_the_runtime_modules_it_imports(name):
     # code/ runs alone (torchrun on code/train.py; a user's code synced from S3 without job/):
     # the link is what `aws s3 sync` and stage.sh follow, so the file itself travels with code/.
