@@ -394,6 +394,21 @@ sync_code() {
     die "${EXIT_BAD_INPUT}" "${S3_CODE_URI} holds no ${TRAIN_SCRIPT}; upload the code with scripts/stage.sh ${S3_CODE_URI} or fix TRAIN_SCRIPT"
   [[ -f "${CODE_DIR}/${TRAIN_CONFIG}" ]] ||
     die "${EXIT_BAD_INPUT}" "TRAIN_CONFIG=${TRAIN_CONFIG} is not in ${S3_CODE_URI}; upload it or fix TRAIN_CONFIG"
+  warn_runtime_modules_shadowed
+}
+
+# stage.sh puts copies of the runtime's modules beside a trainer (code/ links them; --code adds
+# checkpoint.py and contract.py), and the code comes first on the trainer's PYTHONPATH: copies from
+# an older runtime are what the trainer, and the runtime's modules it loads (hf_resume, safe_dcp,
+# trainer_kit), import. Compared in bash: an image need not have cmp.
+warn_runtime_modules_shadowed() {
+  local module name others=()
+  for module in "${JOB_DIR}"/*.py; do
+    name=${module##*/}
+    [[ -f "${CODE_DIR}/${name}" && "$(<"${CODE_DIR}/${name}")" != "$(<"${module}")" ]] && others+=("${name}")
+  done
+  ((${#others[@]} == 0)) ||
+    warn "${S3_CODE_URI} holds ${others[*]} unlike this runtime's: the trainer imports the code's copies, and so do the runtime's modules it loads; stage the code again (scripts/stage.sh) unless they are your own"
 }
 
 sync_data() {

@@ -41,6 +41,7 @@ def lab(module_s3, s3_endpoint, tmp_path_factory):
     done = Run(module_s3, s3_endpoint, tmp_path_factory.mktemp("done"), name="done").stage()
     code, pod = done.run()
     assert code == 0, pod.output
+    assert "unlike this runtime's" not in pod.output, "stage.sh's copies of the runtime's modules are this runtime's"
     return Lab(module_s3, s3_endpoint, done)
 
 
@@ -106,6 +107,12 @@ def other_model_shape(lab: Lab, tmp_path: Path) -> dict:
 def yaml_syntax_error(lab: Lab, tmp_path: Path) -> dict:
     lab.put("code/config/broken.yaml", b"model:\n  n_layer: [2, 4\n")
     return {"TRAIN_CONFIG": "config/broken.yaml"}
+
+
+def stale_runtime_copy(lab: Lab, tmp_path: Path) -> dict:
+    """The code staged by an older runtime: its copy of contract.py is not the ConfigMap's."""
+    older = (ROOT / "job" / "contract.py").read_bytes() + b"# an older runtime's\n"
+    return {"S3_CODE_URI": lab.code_copy("code-stale/", **{"contract.py": older})}
 
 
 def only_val_bin(lab: Lab, tmp_path: Path) -> dict:
@@ -184,6 +191,10 @@ CASES = [
          {"TRAIN_ARGS": "--set model.n_layers=3"}, before_data=True),
     Case("config wrong type", 64, "train.max_steps must be an integer, got 'many'", {"TRAIN_ARGS": "--set train.max_steps=many"},
          before_data=True),
+    Case("config wrong type, the code staged by an older runtime", 64, "train.max_steps must be an integer, got 'many'",
+         {"TRAIN_ARGS": "--set train.max_steps=many"}, prepare=stale_runtime_copy, before_data=True,
+         shown=(f"warning: s3://{BUCKET}/code-stale/ holds contract.py unlike this runtime's: the trainer imports the "
+                "code's copies",)),
     Case("TRAIN_ARGS with an argument the trainer lacks", 64,
          "train.py refuses its settings (TRAIN_CONFIG=config/tiny.yaml, TRAIN_ARGS): train.py: error: unrecognized "
          "arguments: --sett", {"TRAIN_ARGS": "--sett train.max_steps=5"}, before_data=True),
