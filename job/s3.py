@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random
 import s3_errors
 from checkpoint import TooDeep, untrusted_json
 from contract import EXIT_BAD_INPUT, EXIT_UNAVAILABLE, printable, s3_uri_fault, write_line  # noqa: F401 - the helpers' exit codes, named here too
+from contract import POD_ERROR
 
 # Large parts: fewer requests, and S3 servers (moto included) that re-read an object per ranged
 # GET stay fast.
@@ -265,9 +267,30 @@ def main_guard(name: str, run) -> int:
     try:
         return run()
     except BadInput as err:
-        log(name, f"error: {err}")
-        return EXIT_BAD_INPUT
+        return _failed(name, err, EXIT_BAD_INPUT)
     except Unavailable as err:
-        log(name, f"error: {err}")
-        return EXIT_UNAVAILABLE
+        return _failed(name, err, EXIT_UNAVAILABLE)
+
+
+def _failed(name: str, err: Exception, code: int) -> int:
+    log(name, f"error: {err}")
+    remember_error(f"{name}: {err}")
+    return code
+
+
+def remember_error(line: str) -> None:
+    """The pod's last error line (STATE_DIR/last-error.txt, as script.sh's die leaves it): the
+    uploader's final report puts it in status.json. Its URL credentials hidden by the rules the pod's
+    log goes through (redact.sed): an S3 error's text can quote the endpoint's URL."""
+    state_dir = os.environ.get("STATE_DIR")
+    if not state_dir or not os.path.isdir(state_dir):
+        return
+    try:
+        hidden = subprocess.run(["sed", "-E", "-f", os.path.join(os.path.dirname(__file__), "redact.sed")],
+                                input=" ".join(line.split()).encode(), capture_output=True, timeout=30,
+                                env={**os.environ, "LC_ALL": "C"}, check=True).stdout
+        with open(os.path.join(state_dir, POD_ERROR), "wb") as file:
+            file.write(hidden)
+    except (OSError, subprocess.SubprocessError):
+        pass  # the line is on the log already; status.json then names only the exit code
 

@@ -277,6 +277,6 @@ validate_settings() {
   check_train_args
   # restore.py names the checkpoint it just hashed here; the trainer then checks it by size only.
   RESTORE_VERIFIED_FILE=${STATE_DIR}/restore-verified-${POD_TOKEN}.json  # this pod's, never an earlier one's
-  export WORK_DIR CODE_DIR STATE_DIR LOG_FILE HEALTH_FILE TMPDIR RESTORE_VERIFIED_FILE
+  export WORK_DIR CODE_DIR STATE_DIR LOG_FILE READY_FILE HEALTH_FILE TMPDIR RESTORE_VERIFIED_FILE
   export PYTHONUNBUFFERED=1
 }

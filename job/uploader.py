@@ -101,7 +101,9 @@ def watch(uploader: Uploader, interval: float) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     uploader.writer.hold_lease()
-    status = Chore("status.json", lambda: uploader.status.report("running"), interval)
+    # The uploader starts before the restore: the run is "starting" until the pod is ready to train.
+    ready = Path(os.environ.get("READY_FILE") or "/tmp/ready")
+    status = Chore("status.json", lambda: uploader.status.report("running" if ready.exists() else "starting"), interval)
 
     def checkpoints() -> None:
         if uploader.checkpoints.sync():

@@ -333,5 +333,7 @@ def test_a_checkpoint_larger_than_the_workspace_fails_the_pod_with_64(run, tmp_p
     assert len(errors) == 1, errors
     assert re.search(rf"restore: error: checkpoint {NEW} needs 3\.1 MB, \d\.\d MB free in "
                      r"/home/eai_role/\S+; give the workspace volume more room", errors[0]), errors[0]
+    attempt = run.json("status.json")["attempts"][-1]  # the restore's line is why the attempt failed
+    assert attempt["exit_code"] == 64 and attempt["error"].startswith(f"restore: checkpoint {NEW} needs 3.1 MB"), attempt
     after = run.keys()
     assert all(after.get(key) == etag for key, etag in before.items()), "nothing in S3 changed"

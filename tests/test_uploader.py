@@ -28,9 +28,12 @@ def commit(out: Path, step: int, keep: int = 2) -> None:
 
 
 def uploader_env(tmp_path: Path, endpoint: str) -> dict:
+    """A pod's uploader's settings; the pod is ready (its READY_FILE exists): status.json says running."""
     state = tmp_path / "state"
     state.mkdir(exist_ok=True)
+    (state / "ready").touch()
     return {**os.environ, "AWS_ENDPOINT_URL": endpoint, "STATE_DIR": str(state), "CODE_DIR": str(ROOT / "code"),
+            "READY_FILE": str(state / "ready"),
             "LEASE_TTL_SECONDS": "4", "SYNC_INTERVAL_SECONDS": "1", "UPLOAD_RETRY_SECONDS": "3",
             "PYTHONUNBUFFERED": "1"}
 
@@ -157,6 +160,35 @@ def test_best_of_a_step_already_in_s3_is_copied_inside_s3_and_its_manifest_goes_
                       ("PutObject", ckpts + "best/manifest.json")]
     model = (out / "checkpoints" / "best" / "model.pt").read_bytes()
     assert s3.get_object(Bucket=BUCKET, Key=ckpts + "best/model.pt")["Body"].read() == model
+
+
+def test_status_json_says_starting_until_the_pod_is_ready_then_running(s3, s3_endpoint, tmp_path):
+    # the uploader starts before the restore: until READY_FILE (the startup probe's) exists, it restores
+    out, uri, ready = tmp_path / "out", f"s3://{BUCKET}/runs/starting/", tmp_path / "ready"
+    env = {**uploader_env(tmp_path, s3_endpoint), "READY_FILE": str(ready)}
+    take_lease(env, uri)
+    reports = set()
+
+    def status() -> dict:
+        return json.loads(s3.get_object(Bucket=BUCKET, Key="runs/starting/status.json")["Body"].read())
+
+    def three_reports_while_starting() -> bool:
+        now = status()
+        assert now["state"] == "starting", now
+        reports.add(now["updated_at"])
+        return len(reports) >= 3
+
+    watcher = subprocess.Popen([sys.executable, str(JOB / "uploader.py"), "watch", uri, str(out)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_until(lambda: "runs/starting/status.json" in keys_in_s3(s3, "runs/starting/"), 30)
+        assert wait_until(three_reports_while_starting, 30), reports
+        ready.touch()
+        assert wait_until(lambda: status()["state"] == "running", 30)
+    finally:
+        watcher.kill()
+        output = watcher.communicate(timeout=60)[0]
+    assert "Traceback" not in output, output
 
 
 def test_status_json_names_each_uploaded_step_at_once_so_a_lost_pod_shows_how_far_it_got(s3, s3_endpoint, tmp_path):

@@ -114,3 +114,19 @@ def test_python_env_messages_show_no_token_in_an_index_urls_query(tmp_path):
     assert result.returncode == 64, output
     assert "https://gitlab.example.com/simple?private_token=***" in output, "the option is still named"
     assert TOKEN not in output
+
+
+def test_a_helpers_error_line_kept_for_status_json_shows_no_url_credentials(tmp_path, monkeypatch):
+    # s3.main_guard's helpers (restore, lease, uploader) leave their error line for status.json, which
+    # goes to S3: an S3 error's text can quote the endpoint's URL, userinfo and all.
+    import contract
+    import s3
+
+    monkeypatch.setenv("STATE_DIR", str(tmp_path))
+
+    def unreachable():
+        raise s3.Unavailable(f'Could not connect to the endpoint URL: "http://user:{TOKEN}@10.0.0.1:9000/b"\nretried')
+
+    assert s3.main_guard("restore", unreachable) == contract.EXIT_UNAVAILABLE
+    kept = (tmp_path / contract.POD_ERROR).read_text()
+    assert kept == 'restore: Could not connect to the endpoint URL: "http://***@10.0.0.1:9000/b" retried', kept
