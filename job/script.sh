@@ -476,6 +476,7 @@ supervise_uploader() {
   if ((!UPLOADER_RESTARTED)); then
     UPLOADER_RESTARTED=1
     warn "the uploader died (exit ${code}); restarting it"
+    rm -f "${STATE_DIR}/${POD_ERROR}"  # its error line, if it left one, is not why this pod will end
     start_uploader
     return 0
   fi

@@ -16,7 +16,8 @@ Values from flags reach the pod literally ('$' is written '$$'). --check says in
 pods would refuse (scripts/lib/preflight.py). Engines, restarts and validation: docs/multi-node.md.
 
 Exit codes: 0; 64 bad input (a flag, job.yaml, no kubectl, the cluster lacks the engine's CRD, the
-run exists with another script); 75 `kubectl apply` failed otherwise (a retry may pass).
+run exists with another script, an immutable field, a field another manager owns); 75 `kubectl
+apply` failed otherwise (a retry may pass).
 """
 
 from __future__ import annotations
@@ -615,8 +616,8 @@ def apply(stream: str) -> None:
     line = last_line(result.stderr)
     conflict = next((found for found in result.stderr.splitlines() if "Apply failed with" in found), None)
     if conflict:  # another field manager (kubectl edit, a client-side apply) set these fields otherwise
-        raise BadInput(f"kubectl apply: {conflict.removeprefix('error: ')}; if these objects are this run's, apply "
-                       "the printed stream with kubectl apply --server-side --force-conflicts -f FILE")
+        raise BadInput(f"kubectl apply: {conflict.removeprefix('error: ')}; another manager (kubectl edit?) changed "
+                       "this run's objects: delete the workload first (the run resumes from S3) or submit a new run name")
     if "no matches for kind" in result.stderr:
         raise BadInput(f"the cluster does not know this engine's kind ({line}); "
                        "install its controller or pick another --engine")

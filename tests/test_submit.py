@@ -452,9 +452,10 @@ def test_apply_names_another_managers_fields_as_bad_input(tmp_path):
     env, _ = fake_kubectl(tmp_path, says, 1)
     result = submit(*RUN, *CASES["indexed"], "--apply", env=env)
     assert result.returncode == 64 and len(result.stderr.splitlines()) == 1, result.stderr
+    # not --force-conflicts on a re-render: that would replace the group's Secret under running pods
     assert ('kubectl apply: Apply failed with 1 conflict: conflict with "kubectl-edit" using batch/v1: .spec.parallelism; '
-            "if these objects are this run's, apply the printed stream with kubectl apply --server-side "
-            "--force-conflicts -f FILE") in result.stderr
+            "another manager (kubectl edit?) changed this run's objects: delete the workload first (the run resumes "
+            "from S3) or submit a new run name") in result.stderr
 
 
 def test_apply_in_a_namespace_asks_for_the_secret_there_and_applies_there(tmp_path):
