@@ -278,6 +278,9 @@ def _failed(name: str, err: Exception, code: int) -> int:
     return code
 
 
+_ERROR_BYTES = 4096  # status.json keeps 300 characters (run_status.MAX_ERROR); an S3 error's text may be long
+
+
 def remember_error(line: str) -> None:
     """The pod's last error line (STATE_DIR/last-error.txt, as script.sh's die leaves it): the
     uploader's final report puts it in status.json. Its URL credentials hidden by the rules the pod's
@@ -290,7 +293,7 @@ def remember_error(line: str) -> None:
                                 input=" ".join(line.split()).encode(), capture_output=True, timeout=30,
                                 env={**os.environ, "LC_ALL": "C"}, check=True).stdout
         with open(os.path.join(state_dir, POD_ERROR), "wb") as file:
-            file.write(hidden)
+            file.write(hidden[:_ERROR_BYTES])
     except (OSError, subprocess.SubprocessError):
         pass  # the line is on the log already; status.json then names only the exit code
 
