@@ -50,6 +50,9 @@ LATEST_STAMP = 4102444800  # 2100-01-01: a time past this is not a pod's clock
 CHECKPOINTS = contract.CHECKPOINTS_DIR
 MANIFEST = contract.MANIFEST
 PLOTTED_TAGS = ("train/loss", "val/loss")
+# --plot downloads a run's event files into a temporary folder: their sizes come from S3. A pod's
+# scalars take tens of bytes a step, so a run's files past this are not a pod's.
+MAX_PLOT_BYTES = 1 << 30
 
 
 class BadInput(Exception):
@@ -185,6 +188,7 @@ class RunFiles:
     size: int = 0
     committed: set[int] = field(default_factory=set)
     event_files: list[str] = field(default_factory=list)
+    event_bytes: int = 0
     keys: set[str] = field(default_factory=set)
 
 
@@ -218,6 +222,7 @@ def find_runs(objects: list[dict], prefix: str) -> dict[str, RunFiles]:
             run.committed.add(checkpoint.parse_step(parts[1]))
         if parts[0] == "tensorboard" and "tfevents" in parts[-1]:
             run.event_files.append(inner)
+            run.event_bytes += item["Size"]
     return runs
 
 
@@ -524,6 +529,11 @@ def plot(store: Store, runs: list[RunFiles], path: Path) -> int:
     drawn = 0
     with tempfile.TemporaryDirectory(prefix="status-plot-") as temp:
         for index, run in enumerate(runs):
+            if run.event_bytes > MAX_PLOT_BYTES:
+                print(f"status: note: {printable(run.name or run.prefix)}: its event files hold "
+                      f"{run.event_bytes / (1 << 30):.1f} GiB, more than --plot reads ({MAX_PLOT_BYTES >> 30} GiB); "
+                      "not drawn (scripts/tensorboard.sh shows them)", file=sys.stderr)
+                continue
             folder = Path(temp) / f"run-{index}"
             # TensorBoard reads a folder's event files in name order (the second each was opened):
             # numbered in that order, a name from S3 can be neither too long for the disk nor a clash.
@@ -679,7 +689,8 @@ the EVENT lines for tools too. Control characters in them, and in every name and
 S3, are shown escaped (\\x1b), never sent to the terminal.
 
 --plot reads the TensorBoard event files of the runs (steps that a restarted pod redid count
-once, as in TensorBoard) and draws train/loss (lines) and val/loss (dots) per run.
+once, as in TensorBoard) and draws train/loss (lines) and val/loss (dots) per run; a run whose
+event files hold more than 1 GiB is named and not drawn.
 
 S3 is reached with boto3's usual credentials; AWS_ENDPOINT_URL points it at an S3-compatible
 store. Exit codes: 0; 64 bad input (not an s3:// URI, no such bucket, no run under the prefix,

@@ -78,6 +78,23 @@ def test_runs_are_the_outermost_folders_with_a_status_or_checkpoints():
     assert runs["a"].size == 60  # every object under the run, its nested folders included
 
 
+def test_a_runs_event_files_past_what_plot_reads_are_named_and_never_downloaded(tmp_path, capsys):
+    # their sizes come from S3: a crafted 100 GB "event file" must not fill the laptop's disk
+    listing = [{"Key": "r/status.json", "Size": 10},
+               {"Key": "r/tensorboard/events.out.tfevents.1.pod", "Size": status.MAX_PLOT_BYTES},
+               {"Key": "r/tensorboard/events.out.tfevents.2.pod", "Size": 1}]
+    runs = status.find_runs(listing, "")
+    assert runs["r"].event_bytes == status.MAX_PLOT_BYTES + 1
+
+    class NoDownloads:
+        def download(self, key, path):
+            raise AssertionError(f"downloaded {key}")
+
+    assert status.plot(NoDownloads(), [runs["r"]], tmp_path / "loss.png") == 0
+    assert "r: its event files hold 1.0 GiB, more than --plot reads (1 GiB); not drawn" in capsys.readouterr().err
+    assert not (tmp_path / "loss.png").exists()
+
+
 @pytest.mark.parametrize("name", ["step-00000010\n", "step-0000001٠", "step-+0000010", "step-", "best"])
 def test_only_plain_step_folders_count_as_committed_steps(name):
     runs = status.find_runs(objects(f"r/checkpoints/{name}/manifest.json", "r/status.json"), "")
