@@ -3,8 +3,8 @@
     python minimal_train.py --config config/minimal.yaml --data_dir DATA --output_dir OUT
 
 The same command on every start: it resumes from the newest committed checkpoint, commits one every
-`save_every` steps (manifest last) and on SIGTERM or SIGINT (then exits 143 or 130), touches $HEALTH_FILE, writes
-progress.json. Batches are drawn by step and the RNG is saved, so resume is bitwise exact on CPU.
+`save_every` steps (manifest last) and on SIGTERM or SIGINT (exits 143 or 130), touches $HEALTH_FILE,
+writes progress.json. Batches are drawn by step and the RNG is saved: resume is bitwise exact on CPU.
 """
 import argparse
 import json
